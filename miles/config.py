@@ -1,0 +1,241 @@
+"""Typed Hydra structured configs: one dataclass per config group, composed into `MilesConfig`.
+
+Every field is validated by OmegaConf when a recipe or an override is merged, so a typo fails at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING
+    """HF-format checkpoint folder (config.json + safetensors + tokenizer); `builtin:NAME` names a shipped one."""
+    dtype: str = "float32"
+    """Parameter dtype for trainer and engine: float32 | bfloat16 | float16."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
+    chat_template: bool = True
+    """Format prompts with the tokenizer's chat template when it has one."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic_math"
+    """synthetic_math | file (jsonl/parquet/saved dataset at `path`) | reasoning_gym:<task>."""
+    path: str | None = None
+    """Local jsonl / parquet file or saved `datasets` folder (source=file; setting it implies file)."""
+    eval_path: str | None = None
+    """Held-out split for eval when source=file; None evaluates on a slice of synthetic test data or nothing."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (text or chat messages)."""
+    label_key: str = "label"
+    """Column holding the ground truth; verl's `reward_model.ground_truth` is read automatically."""
+    prompt_template: str | None = None
+    """Python format string with `{prompt}` used instead of the chat template (e.g. '{prompt}\\n')."""
+    system_prompt: str | None = None
+    """System message prepended when the chat template is used."""
+    max_prompt_length: int = 256
+    """Prompts longer than this (tokens) are dropped with a counted warning."""
+    train_size: int = 20000
+    """Number of synthetic / reasoning-gym training problems."""
+    test_size: int = 200
+    """Number of held-out problems."""
+    seed: int = 0
+    """Seed for synthetic data generation and shuffling."""
+    difficulty: str = "easy"
+    """Synthetic math difficulty: easy | medium."""
+    shuffle: bool = True
+    """Shuffle the training prompts each epoch."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "auto"
+    """Attention backend: auto | torch | flashinfer."""
+    rollout_batch_size: int = 16
+    """Prompts per RL step."""
+    n_samples_per_prompt: int = 8
+    """Responses generated per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens below min_p times the top probability; 0 disables."""
+    max_new_tokens: int = 32
+    """Response length cap."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings."""
+    max_batch_tokens: int = 4096
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    max_running_requests: int = 256
+    """Most requests decoding at once."""
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    """KV pool size on CPU (bytes)."""
+    kv_cache_fraction: float = 0.5
+    """KV pool size on GPU as a fraction of free memory after weights."""
+    page_size: int = 1
+    """KV page size in tokens."""
+    radix_cache: bool = True
+    """Share prompt prefixes across requests through the radix cache."""
+    cuda_graph: bool = True
+    """Capture decode in CUDA graphs (GPU only)."""
+    deterministic: bool = False
+    """Batch-invariant kernels so a request's result does not depend on its batch."""
+    seed: int = 0
+    """Base sampling seed (each request derives its own)."""
+    update_policy: str = "retract"
+    """What update_weights does with requests in flight: finish | retract."""
+    record_routing: bool = False
+    """Record MoE expert choices per token (for routing replay)."""
+    generate_fn: str | None = None
+    """Custom multi-turn generate plugin `pkg.mod:func`; None uses single-turn generation."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    schedule: str = "constant"
+    """constant | cosine (after warm-up)."""
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "torch"
+    """torch | megatron | deepspeed."""
+    max_steps: int = 100
+    """RL steps (rollout + update) to run."""
+    lr: float = 1e-5
+    """Peak learning rate (shortcut for optim.lr)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    global_batch_size: int = 128
+    """Samples per optimizer step; a rollout batch is split into rollout_size / global_batch_size steps."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch (gradient accumulation across micro-batches)."""
+    epochs_per_rollout: int = 1
+    """Passes over each rollout batch (PPO epochs)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast)."""
+    seed: int = 0
+    """Torch seed."""
+    save_every: int = 0
+    """Write an HF checkpoint every N steps (0: only at the end)."""
+    save_final: bool = True
+    """Write an HF checkpoint at the end."""
+    eval_every: int = 10
+    """Greedy eval on the held-out split every N steps (0 disables; always at start and end when on)."""
+    eval_max_new_tokens: int | None = None
+    """Eval response length cap (None: rollout.max_new_tokens)."""
+    sft_epochs: float = 1.0
+    """SFT only: passes over the dataset when algorithm=sft."""
+    sft_batch_size: int = 64
+    """SFT only: samples per optimizer step."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    """grpo | dr_grpo | gspo | sft, or a custom advantage estimator `pkg.mod:func`."""
+    advantage: str = "grpo"
+    """Advantage estimator registered in miles.trainer.algorithms (grpo, reinforce, ...) or `pkg.mod:func`."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group std (False = Dr. GRPO)."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss registered in miles.trainer.algorithms or `pkg.mod:func`."""
+    clip_low: float = 0.2
+    """PPO ratio lower clip epsilon."""
+    clip_high: float = 0.2
+    """PPO ratio upper clip epsilon (clip-higher when > clip_low)."""
+    loss_agg: str = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss; 0 disables the reference model."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (entropy is always logged)."""
+    tis: bool = True
+    """Truncated importance sampling against the rollout logprobs."""
+    tis_cap: float = 2.0
+    """Upper cap of the TIS ratio."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "math"
+    """Built-in name (math, exact_match, format, code, judge, remote) or `pkg.mod:func` or `path/file.py:func`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the reward function."""
+    batched: bool = False
+    """The function takes the whole list of samples."""
+    timeout_s: float = 10.0
+    """Hard per-call timeout; a reward past it scores 0 and counts in reward/errors and reward/timeouts."""
+    num_workers: int = 2
+    """Process-pool size for CPU-bound graders; 0 scores in-process."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Several rewards combined: {fn: weight}; each is logged as reward/<name>/mean."""
+    by_data_source: dict[str, str] = field(default_factory=dict)
+    """Route samples to a reward by their data_source: {data_source: fn}."""
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "embedded"
+    """embedded (one process, one device) | ray."""
+    num_gpus: int = 1
+    """GPUs used by the ray placement."""
+    colocate: bool = True
+    """ray: trainer and engine share GPUs."""
+    release_kv_during_train: bool = False
+    """Free the engine's KV pool while the trainer updates (colocated GPUs)."""
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    """Log to W&B (offline automatically when no WANDB_API_KEY)."""
+    wandb_project: str = "miles"
+    """W&B project."""
+    wandb_mode: str = "auto"
+    """auto | online | offline."""
+    samples_per_step: int = 4
+    """Rows written to samples.jsonl per step."""
+    progress: bool = True
+    """Rich progress bar."""
+    plot_every: int = 5
+    """Redraw plots/reward.png every N steps."""
+
+
+@dataclass
+class MilesConfig:
+    recipe: str = "grpo_math"
+    """Name of the recipe this config came from."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,131 @@
+"""`ModelArgs`: the architecture hyper-parameters, read from and written to a Hugging Face `config.json`.
+
+Field names are Hugging Face's (`Qwen3Config`, `Qwen3MoeConfig`, `LlamaConfig`), so a config.json round-trips.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "qwen3"
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    """None derives hidden_size // num_attention_heads (Llama's default)."""
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+    """None or Llama-3 style {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", ...}."""
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # Mixture of experts (qwen3_moe)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; miles runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.model_type != "qwen3_moe":
+            self.num_experts = 0
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Hugging Face's rule for which Qwen3-MoE layers are sparse."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        config = dict(config)
+        if "num_local_experts" in config and "num_experts" not in config:  # transformers 5's name
+            config["num_experts"] = config.pop("num_local_experts")
+        # transformers 5 stores RoPE settings under `rope_parameters`; 4.x used rope_theta + rope_scaling.
+        rope_parameters = config.pop("rope_parameters", None) or {}
+        if "rope_theta" not in config and "rope_theta" in rope_parameters:
+            config["rope_theta"] = rope_parameters["rope_theta"]
+        if config.get("rope_scaling") is None and rope_parameters.get("rope_type", "default") != "default":
+            config["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        scaling = config.get("rope_scaling")
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            config["rope_scaling"] = None
+        known = cls.__dataclass_fields__
+        args = cls(**{k: v for k, v in config.items() if k in known and v is not None or k == "head_dim"})
+        return args
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelArgs:
+        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        config = asdict(self)
+        config["architectures"] = [_ARCHITECTURES[self.model_type]]
+        config["torch_dtype"] = "float32"
+        if self.model_type != "qwen3_moe":
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                        "decoder_sparse_step", "mlp_only_layers"):
+                config.pop(key)
+        if self.model_type == "llama":
+            config["pretraining_tp"] = 1
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            config["rope_parameters"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        return {k: v for k, v in config.items() if v is not None}
+
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = 3 * h * self.moe_intermediate_size * self.num_experts + self.num_experts * h
+        total = sum(attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.num_hidden_layers))
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total + embed

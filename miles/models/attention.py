@@ -1,0 +1,71 @@
+"""Attention contexts: how a forward pass reaches keys and values.
+
+The model computes q/k/v (after q/k-norm and RoPE) and hands them to an `AttentionContext`; the context
+decides where keys and values live. `VarlenAttention` is the training / full-forward path over packed
+sequences; the rollout engine supplies contexts that read and write its paged KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionContext(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [N, Hq, D], k/v: [N, Hkv, D] for the N new tokens; returns [N, Hq, D]."""
+        ...
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference attention for one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D].
+
+    With `causal`, query i sees keys up to i + (Tk - Tq) (the queries are the last Tq positions).
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    if causal and mask is None and tq != tk:
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+class VarlenAttention:
+    """Causal attention within each of several sequences packed into one token dimension.
+
+    `cu_seqlens` holds cumulative lengths ([0, len0, len0+len1, ...]). Short packs use one block-diagonal
+    masked call (fewer kernel launches); long packs go sequence by sequence to stay O(sum len^2).
+    """
+
+    block_mask_max_tokens = 2048
+
+    def __init__(self, cu_seqlens: list[int] | torch.Tensor) -> None:
+        self.cu_seqlens = [int(x) for x in cu_seqlens]
+        self._mask: torch.Tensor | None = None
+
+    def _block_causal_mask(self, device: torch.device) -> torch.Tensor:
+        if self._mask is None or self._mask.device != device:
+            n = self.cu_seqlens[-1]
+            seq_id = torch.zeros(n, dtype=torch.long, device=device)
+            for boundary in self.cu_seqlens[1:-1]:
+                seq_id[boundary:] += 1
+            same_seq = seq_id[:, None] == seq_id[None, :]
+            self._mask = same_seq & torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return self._mask
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if len(self.cu_seqlens) == 2:
+            return sdpa(q, k, v, scale, causal=True)
+        if self.cu_seqlens[-1] <= self.block_mask_max_tokens:
+            return sdpa(q, k, v, scale, causal=False, mask=self._block_causal_mask(q.device))
+        outs = [
+            sdpa(q[s:e], k[s:e], v[s:e], scale, causal=True)
+            for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]) if e > s
+        ]
+        return torch.cat(outs, dim=0)

@@ -1,0 +1,204 @@
+"""Hugging Face checkpoint IO: config.json + (sharded) safetensors + index json. Never pickle.
+
+On disk, MoE experts use Hugging Face's per-expert names (`mlp.experts.E.gate_proj.weight`, ...); in
+memory they are stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles.models.args import ModelArgs
+from miles.models.model import CausalLM
+
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "chat_template.jinja", "generation_config.json", "added_tokens.json",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            raise FileNotFoundError(
+                f"{path} holds only pickle weights (*.bin / *.pt); miles reads safetensors only. Convert it once "
+                "with transformers (`model.save_pretrained(dir, safe_serialization=True)`)."
+            )
+        raise FileNotFoundError(f"no *.safetensors in {path}; expected a Hugging Face checkpoint folder")
+    return files
+
+
+def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def hf_to_internal(tensors: Iterator[tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn on-disk names into the model's: per-expert matrices are stacked once all of a layer arrived."""
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    needed = 3 * args.num_experts
+    for key, tensor in tensors:
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            # transformers 5 may already write stacked experts; those pass through unchanged.
+            yield key, tensor
+            continue
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        layer = pending.setdefault(prefix, {})
+        layer[(expert, proj)] = tensor
+        if len(layer) == needed:
+            experts = range(args.num_experts)
+            yield f"{prefix}.gate_up_proj", torch.stack(
+                [torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]], dim=0) for e in experts]
+            )
+            yield f"{prefix}.down_proj", torch.stack([layer[(e, "down_proj")] for e in experts])
+            del pending[prefix]
+    if pending:
+        raise ValueError(f"checkpoint is missing expert weights for {sorted(pending)}")
+
+
+def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict in on-disk names (tied lm_head left out, experts split)."""
+    for key, tensor in state.items():
+        if key == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        match = _STACKED_KEY.match(key)
+        if match is None:
+            yield key, tensor
+            continue
+        prefix, which = match.groups()
+        for expert in range(tensor.shape[0]):
+            if which == "gate_up_proj":
+                gate, up = tensor[expert].chunk(2, dim=0)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{expert}.down_proj.weight", tensor[expert]
+
+
+def load_state_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for key, tensor in hf_to_internal(tensors, model.args):
+        if key not in params:
+            raise KeyError(f"checkpoint tensor {key!r} has no place in a {model.args.model_type} model")
+        target = params[key]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"shape mismatch for {key}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        seen.add(key)
+    if model.args.tie_word_embeddings:
+        seen.add("lm_head.weight")
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def from_pretrained(path: str | Path, dtype: str | torch.dtype | None = "float32",
+                    device: str | torch.device = "cpu") -> CausalLM:
+    """Load an HF-format checkpoint folder (Qwen3, Qwen3-MoE or Llama) into our `CausalLM`."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json; pass a Hugging Face checkpoint folder")
+    args = ModelArgs.from_json(path / "config.json")
+    torch_dtype = resolve_dtype(dtype) or torch.float32
+    with torch.device("meta"):
+        model = CausalLM(args)
+    model = model.to_empty(device=device)
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.new_tensor(0)  # replaced below
+    from miles.models.layers import rope_inv_freq
+
+    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_state_into(model, iter_hf_tensors(path))
+    return model.to(dtype=torch_dtype)
+
+
+def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 * 1024**3,
+                    tokenizer_dir: str | Path | None = None) -> Path:
+    """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) atomically.
+
+    The folder is assembled next to its destination and renamed into place, so a crash never leaves a
+    half-written checkpoint under the final name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        tensors = [(k, v.contiguous()) for k, v in internal_to_hf(state, model.args)]
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key, tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = tensor
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update({key: name for key in shard})
+            total = sum(t.numel() * t.element_size() for _, t in tensors)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = model.args.to_hf_dict()
+        config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    for name in TOKENIZER_FILES:
+        file = Path(src) / name
+        if file.exists():
+            shutil.copy2(file, Path(dst) / name)

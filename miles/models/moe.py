@@ -1,0 +1,108 @@
+"""Qwen3-MoE sparse block: top-k softmax router plus experts stored as stacked tensors.
+
+Experts are kept as `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` (the layout transformers 5 uses
+in memory) so a grouped GEMM can run them in one call; checkpoints keep Hugging Face's per-expert names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.models.args import ModelArgs
+
+
+@dataclass
+class RoutingTrace:
+    """Records the experts each token chose, or replays choices recorded earlier (routing replay).
+
+    `replay[j]` holds the [N, top_k] expert ids for the j-th MoE layer of this forward; gating weights are
+    still computed from this forward's router probabilities, renormalised over the replayed experts.
+    """
+
+    record: bool = True
+    replay: list[torch.Tensor] | torch.Tensor | None = None
+    recorded: list[torch.Tensor] = field(default_factory=list)
+
+    def choose(self, moe_index: int, probs: torch.Tensor, top_k: int) -> torch.Tensor:
+        if self.replay is not None:
+            chosen = self.replay[moe_index].to(device=probs.device, dtype=torch.long)
+        else:
+            chosen = torch.topk(probs, top_k, dim=-1).indices
+        if self.record:
+            self.recorded.append(chosen.detach())
+        return chosen
+
+    def stacked(self) -> torch.Tensor:
+        """[num_moe_layers, N, top_k]."""
+        return torch.stack(self.recorded, dim=0)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, args: ModelArgs, moe_index: int) -> None:
+        super().__init__()
+        self.moe_index = moe_index
+        self.num_experts, self.top_k, self.norm_topk_prob = args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor, routing: RoutingTrace | None = None) -> torch.Tensor:
+        router_logits = self.gate(x)
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        if routing is None:
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            chosen = routing.choose(self.moe_index, probs, self.top_k)
+            weights = probs.gather(-1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, chosen, weights.to(x.dtype))
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice."""
+        n, k = chosen.shape
+        flat_expert = chosen.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // k
+        sorted_x = x[token_of]
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
+            out = self._grouped(sorted_x, counts)
+        else:
+            out = self._looped(sorted_x, counts)
+        out = out * weights.reshape(-1)[order, None]
+        result = torch.zeros_like(x)
+        result.index_add_(0, token_of, out)
+        return result
+
+    def _looped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            xs = sorted_x[start : start + count]
+            gate, up = F.linear(xs, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            start += count
+        if not outs:
+            return sorted_x.new_zeros(sorted_x.shape)
+        return torch.cat(outs, dim=0)
+
+    def _grouped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One grouped GEMM per projection over all experts; no host sync (offsets stay on device).
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        gate_up = torch._grouped_mm(sorted_x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
