@@ -147,7 +147,7 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype | None = "float32
 
 
 def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 * 1024**3,
-                    tokenizer_dir: str | Path | None = None) -> Path:
+                    tokenizer_dir: str | Path | None = None, tokenizer: object | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) atomically.
 
     The folder is assembled next to its destination and renamed into place, so a crash never leaves a
@@ -184,6 +184,8 @@ def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)

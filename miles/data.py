@@ -1,0 +1,195 @@
+"""Prompt data: the built-in synthetic math set, local jsonl / parquet / saved datasets (including verl's
+math parquet schema), and reasoning-gym tasks; prompt templating and tokenisation into `Sample`s."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles import synthetic_math
+from miles.config import DataConfig
+from miles.errors import MilesUserError
+from miles.sample import Sample
+
+log = logging.getLogger("miles.data")
+
+
+@dataclass
+class PromptRow:
+    prompt: str | list[dict[str, Any]]
+    label: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _synthetic_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
+    train, test = synthetic_math.splits(cfg.train_size, cfg.test_size, cfg.seed, cfg.difficulty)
+
+    def rows(problems: list[synthetic_math.MathProblem]) -> list[PromptRow]:
+        return [
+            PromptRow(p.question, str(p.answer), {"data_source": "synthetic_math", "solution": p.solution})
+            for p in problems
+        ]
+
+    return rows(train), rows(test)
+
+
+def _get_path(row: dict[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def row_from_record(record: dict[str, Any], cfg: DataConfig) -> PromptRow:
+    """One dataset record -> PromptRow. verl's schema: `prompt` (chat messages), `reward_model.ground_truth`,
+    `data_source`, `extra_info`."""
+    if cfg.prompt_key not in record:
+        raise MilesUserError(
+            f"data row has no {cfg.prompt_key!r} column (columns: {sorted(record)}); set data.prompt_key"
+        )
+    prompt = record[cfg.prompt_key]
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if isinstance(prompt, list):
+        prompt = [dict(m) for m in prompt]
+    label = _get_path(record, cfg.label_key)
+    if label is None:
+        label = _get_path(record, "reward_model.ground_truth")
+    if label is None:
+        label = record.get("answer")
+    metadata = {k: v for k, v in record.items() if k not in (cfg.prompt_key,)}
+    metadata.setdefault("data_source", record.get("data_source") or "file")
+    return PromptRow(prompt, label, metadata)
+
+
+def _load_records(path: str) -> list[dict[str, Any]]:
+    import datasets
+
+    p = Path(path)
+    if not p.exists():
+        raise MilesUserError(f"data file {path} does not exist; pass data.path=<jsonl | parquet | saved dataset>")
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    elif p.suffix in (".jsonl", ".json"):
+        ds = datasets.load_dataset("json", data_files=str(p), split="train")
+    elif p.suffix == ".parquet":
+        ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
+    else:
+        raise MilesUserError(f"cannot read {path}: use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
+    return list(ds)
+
+
+def _reasoning_gym_rows(task: str, cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise MilesUserError("data.source=reasoning_gym:<task> needs `pip install 'miles[reasoning]'`") from e
+    try:
+        train = reasoning_gym.create_dataset(task, size=cfg.train_size, seed=cfg.seed)
+        test = reasoning_gym.create_dataset(task, size=cfg.test_size, seed=cfg.seed + 10_000)
+    except Exception as e:  # reasoning-gym raises plain errors for unknown task names
+        raise MilesUserError(f"reasoning-gym cannot create task {task!r}: {e}") from e
+
+    def rows(ds: Any) -> list[PromptRow]:
+        return [
+            PromptRow(entry["question"], str(entry["answer"]),
+                      {"data_source": f"reasoning_gym:{task}", "rg_metadata": entry.get("metadata", {})})
+            for entry in ds
+        ]
+
+    return rows(train), rows(test)
+
+
+def load_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
+    """(train rows, held-out rows) for the configured source."""
+    source = "file" if cfg.path else cfg.source
+    if source == "synthetic_math":
+        return _synthetic_rows(cfg)
+    if source.startswith("reasoning_gym:"):
+        return _reasoning_gym_rows(source.split(":", 1)[1], cfg)
+    if source == "file":
+        if not cfg.path:
+            raise MilesUserError("data.source=file needs data.path=<jsonl | parquet | saved dataset folder>")
+        train = [row_from_record(r, cfg) for r in _load_records(cfg.path)]
+        test = [row_from_record(r, cfg) for r in _load_records(cfg.eval_path)] if cfg.eval_path else []
+        return train, test
+    raise MilesUserError(
+        f"unknown data.source {source!r}; use synthetic_math, file (with data.path) or reasoning_gym:<task>"
+    )
+
+
+class PromptFormatter:
+    """Turns a prompt (text or chat messages) into token ids: a configured template, else the chat template."""
+
+    def __init__(self, tokenizer: Any, cfg: DataConfig, use_chat_template: bool = True) -> None:
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+
+    def messages(self, prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.cfg.system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
+        return messages
+
+    def text(self, prompt: str | list[dict[str, Any]]) -> str:
+        if self.cfg.prompt_template is not None:
+            content = prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
+            return self.cfg.prompt_template.format(prompt=content)
+        if self.use_chat_template:
+            return self.tokenizer.apply_chat_template(
+                self.messages(prompt), tokenize=False, add_generation_prompt=True
+            )
+        return prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
+
+    def ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        return list(self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"])
+
+
+def to_samples(rows: list[PromptRow], formatter: PromptFormatter, max_prompt_length: int) -> tuple[list[Sample], int]:
+    """Tokenise rows; over-long prompts are dropped and counted (never a crash)."""
+    samples, dropped = [], 0
+    for row in rows:
+        ids = formatter.ids(row.prompt)
+        if len(ids) > max_prompt_length:
+            dropped += 1
+            continue
+        samples.append(Sample(prompt=row.prompt, prompt_ids=ids, label=row.label, metadata=dict(row.metadata)))
+    if dropped:
+        log.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
+                    dropped, len(rows), max_prompt_length)
+    return samples, dropped
+
+
+class PromptLoader:
+    """Endless, epoch-shuffled batches of prompt `Sample`s."""
+
+    def __init__(self, prompts: list[Sample], batch_size: int, shuffle: bool, seed: int) -> None:
+        if not prompts:
+            raise MilesUserError("no usable prompts (all were dropped or the dataset is empty)")
+        self.prompts, self.batch_size, self.shuffle = prompts, batch_size, shuffle
+        self.rng = random.Random(seed)
+        self.epoch, self._order, self._pos = 0, list(range(len(prompts))), len(prompts)
+
+    def next_batch(self) -> list[Sample]:
+        batch: list[Sample] = []
+        while len(batch) < self.batch_size:
+            if self._pos >= len(self._order):
+                if self.shuffle:
+                    self.rng.shuffle(self._order)
+                self._pos = 0
+                self.epoch += 1
+            batch.append(self.prompts[self._order[self._pos]])
+            self._pos += 1
+        return batch
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        while True:
+            yield self.next_batch()

@@ -1,0 +1,28 @@
+"""Greedy evaluation on a held-out split: `eval/accuracy` (reward above 0.5 counts as correct)."""
+
+from __future__ import annotations
+
+import time
+
+from miles.sample import Sample
+
+
+def evaluate(engine: object, rewards: object, prompts: list[Sample], max_new_tokens: int,
+             stop_token_ids: list[int], stop: list[str]) -> tuple[dict[str, float], list[Sample]]:
+    from miles.rollout import SamplingParams
+
+    if not prompts:
+        return {}, []
+    start = time.perf_counter()
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                            stop=stop)
+    samples = engine.generate(prompts, params)
+    reward_metrics = rewards.score(samples)
+    correct = sum(1 for s in samples if s.reward > 0.5)
+    return {
+        "eval/accuracy": correct / len(samples),
+        "eval/reward_mean": reward_metrics.get("reward/mean", 0.0),
+        "eval/response_length": sum(s.response_length for s in samples) / len(samples),
+        "eval/num_samples": float(len(samples)),
+        "time/eval": time.perf_counter() - start,
+    }, samples

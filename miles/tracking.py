@@ -1,0 +1,148 @@
+"""Run tracking: metrics.jsonl, samples.jsonl, W&B (offline without an API key), plots, a progress bar.
+
+Every write is append-and-flush, so a crash loses at most the step in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from miles.config import LoggingConfig
+from miles.sample import Sample
+
+log = logging.getLogger("miles.tracking")
+_SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: dict[str, Any], recipe: str, total_steps: int):
+        self.run_dir, self.cfg, self.total_steps = run_dir, cfg, total_steps
+        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.samples_file = open(run_dir / "samples.jsonl", "a", buffering=1)
+        self.history: list[dict[str, Any]] = []
+        self.wandb_run = self._init_wandb(config_dict, recipe) if cfg.wandb else None
+        self.progress = None
+        self._task = None
+        if cfg.progress:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False,
+            )
+            self.progress.start()
+            self._task = self.progress.add_task(recipe, total=total_steps, status="")
+
+    def _init_wandb(self, config_dict: dict[str, Any], recipe: str) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            log.warning("wandb is not installed; set logging.wandb=false to silence this")
+            return None
+        mode = self.cfg.wandb_mode
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if os.environ.get("WANDB_MODE") == "disabled":
+            mode = "disabled"
+        try:
+            return wandb.init(
+                project=self.cfg.wandb_project, name=f"{recipe}-{self.run_dir.name}", dir=str(self.run_dir),
+                config=config_dict, mode=mode, reinit="finish_previous",
+            )
+        except Exception as e:  # tracking must never cost the run
+            log.warning("W&B init failed (%s); continuing without it", e)
+            return None
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.history.append(record)
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=step)
+            except Exception as e:
+                log.warning("W&B log failed: %s", e)
+        if self.progress is not None:
+            reward = record.get("reward/mean")
+            status = f"reward {reward:.3f}" if isinstance(reward, float) else ""
+            if isinstance(record.get("eval/accuracy"), float):
+                status += f" eval {record['eval/accuracy']:.3f}"
+            if isinstance(record.get("time/step"), float):
+                status += f" {record['time/step']:.1f}s/step"
+            self.progress.update(self._task, completed=step, status=status)
+        if self.cfg.plot_every and (step % self.cfg.plot_every == 0 or step == self.total_steps):
+            self.plot()
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        for sample in samples[: self.cfg.samples_per_step]:
+            row = {
+                "step": step, "prompt": sample.prompt, "response": sample.response_text, "reward": sample.reward,
+                "label": sample.label, "status": sample.status.value, "response_length": sample.response_length,
+            }
+            self.samples_file.write(json.dumps(row, default=str) + "\n")
+
+    def plot(self) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        steps = [r["step"] for r in self.history if r.get("reward/mean") is not None]
+        rewards = [r["reward/mean"] for r in self.history if r.get("reward/mean") is not None]
+        evals = [(r["step"], r["eval/accuracy"]) for r in self.history if r.get("eval/accuracy") is not None]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        if steps:
+            ax.plot(steps, rewards, label="reward/mean")
+        if evals:
+            ax.plot([s for s, _ in evals], [a for _, a in evals], "o-", label="eval/accuracy")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        tmp = self.run_dir / "plots" / ".reward.png.tmp"
+        fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        os.replace(tmp, self.run_dir / "plots" / "reward.png")
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        self.plot()
+        self.metrics_file.close()
+        self.samples_file.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception as e:
+                log.warning("W&B finish failed: %s", e)
+
+
+def redact(config: dict[str, Any]) -> dict[str, Any]:
+    """Config copy with secret-looking values masked, for logs and W&B."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out[key] = redact(value)
+        elif any(h in key.upper() for h in _SECRET_HINTS) and value:
+            out[key] = "***"
+        else:
+            out[key] = value
+    return out
