@@ -1,0 +1,108 @@
+"""The `miles` CLI: help, resolved config, and every user error exits non-zero with a message, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def miles(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "miles", *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_component_imports() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import miles.rollout, miles.trainer, miles.weight_sync, miles.rewards"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_import_miles_is_light() -> None:
+    code = "import sys, miles, miles.cli; print(any(m in sys.modules for m in ('torch', 'wandb', 'ray', 'flashinfer')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_help_lists_commands_recipes_and_groups() -> None:
+    top = miles("--help")
+    assert top.returncode == 0 and "train" in top.stdout and "init-model" in top.stdout
+    train = miles("train", "--help")
+    assert train.returncode == 0
+    for name in ("grpo_math", "sft_math", "grpo_smollm2_math", "model", "algorithm", "placement"):
+        assert name in train.stdout
+
+
+def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
+    out = miles("train", "recipe=grpo_math", "--cfg", "job", "trainer.lr=0.5", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "recipe: grpo_math" in out.stdout and "lr: 0.5" in out.stdout
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["trainer.lerning_rate=1"], "lerning_rate"),
+        (["recipe=nope"], "grpo_math"),
+        (["model=nope"], "tiny_moe_math"),
+        (["trainer.max_steps=abc", "--cfg", "job"], "max_steps"),
+        (["nosuchgroup.key=1"], "Valid keys"),
+    ],
+)
+def test_user_errors_are_clean(args: list[str], needle: str, tmp_path: Path) -> None:
+    out = miles("train", *args, cwd=tmp_path)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert needle in text
+    assert "Traceback" not in text
+
+
+def test_valid_keys_listed_for_typo(tmp_path: Path) -> None:
+    out = miles("train", "trainer.lerning_rate=1", cwd=tmp_path)
+    assert "max_steps" in out.stderr and "lr" in out.stderr
+
+
+def test_unknown_command() -> None:
+    out = miles("frobnicate")
+    assert out.returncode == 2 and "unknown command" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_model_path_is_a_clean_error(tmp_path: Path) -> None:
+    out = miles("train", f"model.path={tmp_path / 'nothing'}", "logging.wandb=false", "logging.progress=false",
+                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_wheel_ships_configs_recipes_and_assets(tmp_path: Path) -> None:
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    wheel = next(tmp_path.glob("miles-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "miles/recipes/grpo_math.yaml" in names
+    assert "miles/configs/miles_base.yaml" in names
+    assert "miles/configs/model/tiny_moe_math.yaml" in names
+    assert "miles/rollout/__init__.py" in names and "miles/rewards/__init__.py" in names
+    assert any(n.startswith("miles/assets/tiny_moe_math/") and n.endswith(".safetensors") for n in names)
+    # An unpacked wheel, imported from elsewhere, still resolves the recipe.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {"PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-m", "miles", "train", "--cfg", "job"], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, **env}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "builtin:tiny_moe_math" in out.stdout

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import torch
+
+from miles.models import CausalLM, ModelArgs
+from miles.weight_sync import InProcessWeightSync, compare, fingerprints, iter_buckets, tensor_fingerprint
+
+
+def tiny_model(seed: int = 0) -> CausalLM:
+    torch.manual_seed(seed)
+    model = CausalLM(ModelArgs(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
+    model.init_weights()
+    return model
+
+
+def test_fingerprint_catches_a_single_flipped_bit() -> None:
+    t = torch.randn(1000)
+    before = tensor_fingerprint(t)
+    bits = t.view(torch.int32)
+    bits[517] ^= 1  # lowest mantissa bit of one element
+    assert tensor_fingerprint(t) != before
+    swapped = torch.randn(10)
+    perm = swapped[[1, 0, *range(2, 10)]]
+    assert tensor_fingerprint(swapped) != tensor_fingerprint(perm)
+
+
+def test_compare_names_the_corrupted_tensor() -> None:
+    model = tiny_model()
+    expected = fingerprints(model.named_parameters())
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[2, 3, 4] += 1e-3
+    assert compare(expected, fingerprints(model.named_parameters())) == ["model.layers.1.mlp.experts.down_proj"]
+
+
+class CopyingEngine:
+    """The engine side of a sync that cannot share tensors: its own model, weights copied in buckets."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model, self.weight_version, self.buckets = model, 0, 0
+
+    def update_weights(self, buckets, version: int) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for bucket in buckets:
+                self.buckets += 1
+                for name, tensor in bucket:
+                    params[name].copy_(tensor)
+        self.weight_version = version
+
+
+def test_copying_sync_agrees_and_detects_corruption() -> None:
+    trainer, engine_model = tiny_model(0), tiny_model(1)
+    engine = CopyingEngine(engine_model)
+    sync = InProcessWeightSync(trainer, engine, bucket_bytes=4096)
+    assert not sync.shares_weights
+    result = sync.sync(version=3)
+    assert result.checksum_ok and engine.weight_version == 3 and engine.buckets > 1
+    assert result.bytes == sum(p.numel() * 4 for p in trainer.parameters())
+
+    class DroppingEngine(CopyingEngine):
+        def update_weights(self, buckets, version: int) -> None:
+            super().update_weights([b[1:] for b in buckets], version)  # loses the first tensor of each bucket
+
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01)
+    bad = InProcessWeightSync(trainer, DroppingEngine(tiny_model(2)), bucket_bytes=4096).sync(version=4)
+    assert not bad.checksum_ok and bad.mismatched
+
+
+def test_buckets_respect_the_size_limit() -> None:
+    named = [(f"t{i}", torch.zeros(100)) for i in range(10)]
+    buckets = list(iter_buckets(named, bucket_bytes=1000))
+    assert [len(b) for b in buckets] == [2] * 5
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
