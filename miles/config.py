@@ -151,6 +151,10 @@ class TrainerConfig:
     """SFT only: passes over the dataset when algorithm=sft."""
     sft_batch_size: int = 64
     """SFT only: samples per optimizer step."""
+    routing_replay: bool = False
+    """MoE: route each token through the experts the engine chose at rollout (needs rollout.record_routing)."""
+    peak_flops: float = 0.0
+    """Device peak FLOP/s for train/mfu; 0 looks up known GPUs and omits train/mfu when unknown (CPU)."""
 
 
 @dataclass
@@ -193,6 +197,8 @@ class RewardConfig:
     """Hard per-call timeout; a reward past it scores 0 and counts in reward/errors and reward/timeouts."""
     num_workers: int = 2
     """Process-pool size for CPU-bound graders; 0 scores in-process."""
+    worker_memory_mb: int = 4096
+    """Address space each reward worker may add past its start-up size (0 = no cap; CUDA in a reward needs 0)."""
     weights: dict[str, float] = field(default_factory=dict)
     """Several rewards combined: {fn: weight}; each is logged as reward/<name>/mean."""
     by_data_source: dict[str, str] = field(default_factory=dict)
@@ -209,6 +215,8 @@ class PlacementConfig:
     """ray: trainer and engine share GPUs."""
     release_kv_during_train: bool = False
     """Free the engine's KV pool while the trainer updates (colocated GPUs)."""
+    cpu_threads: int = 1
+    """torch intra-op threads on CPU (tiny models run fastest on 1; 0 keeps torch's default)."""
 
 
 @dataclass

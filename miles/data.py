@@ -154,14 +154,17 @@ class PromptFormatter:
 
 
 def to_samples(rows: list[PromptRow], formatter: PromptFormatter, max_prompt_length: int) -> tuple[list[Sample], int]:
-    """Tokenise rows; over-long prompts are dropped and counted (never a crash)."""
+    """Tokenise rows (one batched tokenizer call); over-long prompts are dropped and counted, never a crash."""
+    if not rows:
+        return [], 0
+    texts = [formatter.text(row.prompt) for row in rows]
+    all_ids = formatter.tokenizer(texts, add_special_tokens=False)["input_ids"]
     samples, dropped = [], 0
-    for row in rows:
-        ids = formatter.ids(row.prompt)
+    for row, ids in zip(rows, all_ids):
         if len(ids) > max_prompt_length:
             dropped += 1
             continue
-        samples.append(Sample(prompt=row.prompt, prompt_ids=ids, label=row.label, metadata=dict(row.metadata)))
+        samples.append(Sample(prompt=row.prompt, prompt_ids=list(ids), label=row.label, metadata=dict(row.metadata)))
     if dropped:
         log.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
                     dropped, len(rows), max_prompt_length)

@@ -10,7 +10,7 @@ import logging
 import random
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,12 @@ log = logging.getLogger("miles.loop")
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def set_cpu_threads(threads: int) -> None:
+    # On 2 shared cores a second intra-op thread makes tiny-model kernels tens of times slower.
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def stop_ids(tokenizer: object, model_eos: list[int]) -> list[int]:
@@ -64,6 +70,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.weight_sync import InProcessWeightSync
 
     seed_everything(cfg.trainer.seed)
+    set_cpu_threads(cfg.placement.cpu_threads)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
     model, tokenizer = loaded.model, loaded.tokenizer
     formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)
@@ -101,7 +108,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             step_start = time.perf_counter()
             params.seed = cfg.rollout.seed * 1_000_003 + step
             t = time.perf_counter()
-            samples = engine.generate(loader.next_batch(), params)
+            batch = [replace(p, group_id=i) for i, p in enumerate(loader.next_batch())]
+            samples = engine.generate(batch, params)
             metrics: dict[str, float] = {"time/rollout": time.perf_counter() - t}
             metrics.update(engine.metrics())
 

@@ -69,8 +69,9 @@ def resolve_path(path: str) -> Path | None:
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: int = 0) -> LoadedModel:
+    from transformers import AutoTokenizer
+
     from miles.models import from_pretrained
-    from miles.models.tokenizer import load_tokenizer
 
     dev = pick_device(device)
     folder = resolve_path(path)
@@ -86,4 +87,8 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: in
         model = build_random_model(args, dtype=dtype, device=dev, seed=seed)
         return LoadedModel(model, tokenizer, "")
     model = from_pretrained(folder, dtype=dtype, device=dev)
-    return LoadedModel(model, load_tokenizer(folder), str(folder))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise MilesUserError(f"{folder} has no usable tokenizer files ({e}); copy the model's tokenizer there") from e
+    return LoadedModel(model, tokenizer, str(folder))

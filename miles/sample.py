@@ -38,7 +38,8 @@ class Sample:
     status: SampleStatus = SampleStatus.PENDING
     weight_version: int = 0
     routed_experts: list[list[list[int]]] | None = None
-    """MoE routing at rollout: [response token][moe layer][top-k expert ids], for routing replay."""
+    """MoE routing at rollout, for routing replay: [token fed to the model (prompt, then response minus the
+    last token)][moe layer][top-k expert ids]."""
     spec_stats: dict[str, Any] = field(default_factory=dict)
 
     @property

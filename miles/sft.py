@@ -15,7 +15,7 @@ from miles.config import MilesConfig
 from miles.data import PromptFormatter, load_rows, to_samples
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
-from miles.loop import save_checkpoint, seed_everything, stop_ids
+from miles.loop import save_checkpoint, seed_everything, set_cpu_threads, stop_ids
 from miles.model_io import load_model
 from miles.sample import Sample
 from miles.tracking import Tracker, redact
@@ -42,6 +42,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.trainer import TorchTrainer
 
     seed_everything(cfg.trainer.seed)
+    set_cpu_threads(cfg.placement.cpu_threads)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
     model, tokenizer = loaded.model, loaded.tokenizer
     formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)

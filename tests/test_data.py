@@ -17,7 +17,9 @@ class WordTokenizer:
     chat_template = None
     eos_token_id = 0
 
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = False) -> dict[str, list]:
+        if isinstance(text, list):
+            return {"input_ids": [[len(w) for w in t.split()] for t in text]}
         return {"input_ids": [len(w) for w in text.split()]}
 
 

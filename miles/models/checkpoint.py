@@ -143,7 +143,11 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype | None = "float32
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_state_into(model, iter_hf_tensors(path))
-    return model.to(dtype=torch_dtype)
+    model = model.to(dtype=torch_dtype)
+    # `.to(dtype)` also casts the RoPE frequencies; keep them float32 as transformers does, or bf16
+    # rounding of inv_freq shifts the rotation angle by whole radians at positions in the thousands.
+    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
+    return model
 
 
 def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 * 1024**3,

@@ -45,7 +45,11 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, args: ModelArgs, moe_index: int) -> None:
         super().__init__()
         self.moe_index = moe_index
-        self.num_experts, self.top_k, self.norm_topk_prob = args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
+        self.num_experts, self.top_k, self.norm_topk_prob = (
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+        )
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
@@ -68,6 +72,9 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.batch_invariant_block = 0
+        """> 0: run each expert's tokens in fixed blocks of this many rows (padded), so a token's result does
+        not depend on how many other tokens chose the same expert (the engine's deterministic mode)."""
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice."""
@@ -76,15 +83,44 @@ class Experts(nn.Module):
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // k
         sorted_x = x[token_of]
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
+        if x.is_cuda:  # bincount reads its max back to the host; scatter_add keeps the step free of syncs
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
+        else:
+            counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        if self.batch_invariant_block:
+            out = self._blocked(sorted_x, counts, self.batch_invariant_block)
+        elif x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
             out = self._grouped(sorted_x, counts)
         else:
             out = self._looped(sorted_x, counts)
         out = out * weights.reshape(-1)[order, None]
+        if x.is_cuda:
+            # index_add_ on CUDA adds with atomics (run-to-run varying order): sum each token's k outputs in
+            # slot order instead.
+            unsorted = torch.empty_like(out)
+            unsorted[order] = out
+            return unsorted.view(n, k, -1).sum(dim=1)
         result = torch.zeros_like(x)
         result.index_add_(0, token_of, out)
         return result
+
+    def _blocked(self, sorted_x: torch.Tensor, counts: torch.Tensor, block: int) -> torch.Tensor:
+        outs = []
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            xs = F.pad(sorted_x[start : start + count], (0, 0, 0, (-count) % block))
+            ys = []
+            for b in range(0, xs.shape[0], block):
+                gate, up = F.linear(xs[b : b + block], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            outs.append(torch.cat(ys)[:count])
+            start += count
+        if not outs:
+            return sorted_x.new_zeros(sorted_x.shape)
+        return torch.cat(outs, dim=0)
 
     def _looped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []

@@ -1,0 +1,259 @@
+"""`RewardRunner`: scores a rollout batch with the configured rewards; nothing a reward does can crash the run.
+
+Where a reward runs: sync rewards in the worker pool (reward.num_workers processes: hard kill on timeout, memory
+cap, graders on a main thread); async rewards on an event-loop thread in this process; the `judge` built-in in this
+process (it drives an engine object); everything in this process when num_workers=0. A call that raises, hangs past
+reward.timeout_s, returns NaN / a bad value, or blows its memory cap scores 0 for its samples, is counted in
+reward/errors (and reward/timeouts), and the first traceback of each kind is logged once (logger `miles.rewards`).
+
+Combining: reward.weights {fn: weight} sums weighted components (a failed component contributes 0); the
+kwargs of one component may be namespaced as reward.kwargs.<name>.<key>. reward.by_data_source {data_source: fn}
+routes a sample (by sample.metadata["data_source"]) to one reward instead of the default ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import statistics
+import threading
+import weakref
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from miles.rewards.inprocess import InProcessExecutor
+from miles.rewards.loading import BUILTINS, RewardConfigError, RewardFunction, describe
+from miles.rewards.outcome import RewardOutcome
+from miles.rewards.pool import WorkerPool
+
+from miles.config import RewardConfig
+from miles.sample import Sample
+
+log = logging.getLogger("miles.rewards")
+
+
+def _to_plain(value: Any) -> Any:
+    """Hydra DictConfig / ListConfig (at any depth) -> dict / list; other objects (an engine) pass through."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, DictConfig | ListConfig):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # omegaconf is a dependency; stay usable without it all the same
+        pass
+    if isinstance(value, Mapping):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def metric_names(specs: Sequence[str]) -> dict[str, str]:
+    """reward/<name>/mean names: the built-in name or the function name, the whole spec when two would clash."""
+    short = {s: s if s in BUILTINS else s.rsplit(":", 1)[-1] for s in specs}
+    counts = Counter(short.values())
+    return {s: short[s] if counts[short[s]] == 1 else re.sub(r"[^\w.-]+", "_", s).strip("_") for s in specs}
+
+
+@dataclasses.dataclass
+class _Component:
+    fn: RewardFunction
+    weight: float
+
+
+def _slim(sample: Sample) -> Sample:
+    """What a worker process receives: the sample without its per-token training arrays."""
+    return dataclasses.replace(sample, rollout_logprobs=[], loss_mask=[], routed_experts=None)
+
+
+def _shutdown(pool: WorkerPool | None, local: InProcessExecutor) -> None:
+    if pool is not None:
+        pool.close()
+    local.close()
+
+
+class RewardRunner:
+    def __init__(self, cfg: RewardConfig, engine: Any = None) -> None:
+        """engine: handed to the `judge` built-in when its kwargs name no engine / model_path (the embedded
+        engine judging its own samples)."""
+        self.timeout_s = float(cfg.timeout_s)
+        if not self.timeout_s > 0:
+            raise RewardConfigError(f"reward.timeout_s must be > 0, got {cfg.timeout_s}")
+        num_workers = int(cfg.num_workers)
+        if num_workers < 0:
+            raise RewardConfigError(
+                f"reward.num_workers must be >= 0 (0 scores in-process), got {num_workers}"
+            )
+        kwargs: dict[str, Any] = _to_plain(cfg.kwargs) or {}
+        weights: dict[str, Any] = _to_plain(cfg.weights) or {}
+        routes: dict[str, Any] = _to_plain(cfg.by_data_source) or {}
+        if not weights and not cfg.fn:
+            raise RewardConfigError(
+                "set reward.fn (a built-in name, pkg.mod:func or file.py:func) or reward.weights"
+            )
+        default = weights or {cfg.fn: 1.0}
+        for spec, weight in default.items():
+            if not isinstance(weight, int | float) or weight != weight:
+                raise RewardConfigError(f"reward.weights[{spec!r}] must be a number, got {weight!r}")
+        specs = list(dict.fromkeys([*default, *routes.values()]))
+        names = metric_names(specs)
+        self.functions: dict[str, RewardFunction] = {}
+        """Resolved rewards by their spec."""
+        for spec in specs:
+            name = names[spec]
+            own = kwargs.get(name) if isinstance(kwargs.get(name), dict) else {}
+            shared = {k: v for k, v in kwargs.items() if k not in names.values()}
+            if spec == "judge" and engine is not None and not {"engine", "model_path"} & {*own, *shared}:
+                own = {**own, "engine": engine}
+            if len(specs) == 1:
+                self.functions[spec] = describe(spec, name, {**shared, **own}, bool(cfg.batched))
+            else:
+                self.functions[spec] = describe(spec, name, own, bool(cfg.batched), shared_kwargs=shared)
+        self._default = [_Component(self.functions[s], float(w)) for s, w in default.items()]
+        self._routes = {str(ds): [_Component(self.functions[s], 1.0)] for ds, s in routes.items()}
+        self._multi = len(specs) > 1
+
+        wants_pool = num_workers > 0 and any(
+            not f.is_async and not f.in_process for f in self.functions.values()
+        )
+        self._pool = WorkerPool(num_workers, int(cfg.worker_memory_mb)) if wants_pool else None
+        self._local = InProcessExecutor()
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._local)
+        for fn in self.functions.values():
+            if self._placement(fn) != "pool":
+                try:
+                    self._local.bind(fn)
+                except RewardConfigError:
+                    self.close()
+                    raise
+                except Exception as e:
+                    self.close()
+                    raise RewardConfigError(
+                        f"building reward {fn.name!r} failed: {type(e).__name__}: {e}"
+                    ) from e
+        self._logged: set[tuple[str, str, str]] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _placement(self, fn: RewardFunction) -> str:
+        if fn.is_async:
+            return "async"
+        return "local" if fn.in_process or self._pool is None else "pool"
+
+    def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Sets `reward` and `reward_info` on every sample in place and returns reward/* metrics."""
+        if self._closed:
+            raise RuntimeError("RewardRunner.score() called after close()")
+        with self._lock:
+            plans = [self._routes.get(s.data_source, self._default) for s in samples]
+            members: dict[str, list[int]] = defaultdict(list)
+            by_name: dict[str, RewardFunction] = {}
+            for i, plan in enumerate(plans):
+                for component in plan:
+                    members[component.fn.name].append(i)
+                    by_name[component.fn.name] = component.fn
+            calls = []
+            for name, indices in members.items():
+                fn = by_name[name]
+                calls += [(fn, indices)] if fn.batched else [(fn, [i]) for i in indices]
+            outcomes: dict[tuple[int, str], RewardOutcome] = {}
+
+            def record(fn: RewardFunction, indices: list[int], results: list[RewardOutcome]) -> None:
+                for i, outcome in zip(indices, results):
+                    outcomes[(i, fn.name)] = outcome
+
+            pending = [
+                (fn, indices, self._pool.submit(fn, [_slim(samples[i]) for i in indices], self.timeout_s))
+                for fn, indices in calls
+                if self._placement(fn) == "pool"
+            ]
+            for fn, indices in calls:
+                if self._placement(fn) == "local":
+                    record(
+                        fn, indices, self._local.run_sync(fn, [samples[i] for i in indices], self.timeout_s)
+                    )
+            async_calls = [(fn, indices) for fn, indices in calls if self._placement(fn) == "async"]
+            results = self._local.run_async(
+                [(fn, [samples[i] for i in indices]) for fn, indices in async_calls], self.timeout_s
+            )
+            for (fn, indices), result in zip(async_calls, results):
+                record(fn, indices, result)
+            for fn, indices, future in pending:
+                record(fn, indices, future.result())
+            return self._apply(samples, plans, members, outcomes)
+
+    def _apply(
+        self,
+        samples: list[Sample],
+        plans: list[list[_Component]],
+        members: dict[str, list[int]],
+        outcomes: dict[tuple[int, str], RewardOutcome],
+    ) -> dict[str, float]:
+        failed = timed_out = 0
+        for i, (sample, plan) in enumerate(zip(samples, plans)):
+            total, info, errors, kinds = 0.0, {}, [], []
+            for component in plan:
+                name, outcome = component.fn.name, outcomes[(i, component.fn.name)]
+                total += component.weight * outcome.score
+                if self._multi:
+                    info[name] = outcome.score
+                    info.update({f"{name}/{k}": v for k, v in outcome.extras.items()})
+                else:
+                    info.update(outcome.extras)
+                if outcome.failed:
+                    errors.append(f"{name}: {outcome.error}" if self._multi else outcome.error)
+                    kinds.append(outcome.error_kind)
+                    self._log_once(component.fn, outcome)
+            if errors:
+                info["error"] = "; ".join(errors)
+                info["error_kind"] = ",".join(dict.fromkeys(kinds))
+                failed += 1
+                timed_out += "timeout" in kinds
+            sample.reward = float(total)
+            sample.reward_info = info
+        rewards = [s.reward for s in samples]
+        metrics = {
+            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "reward/errors": float(failed),
+            "reward/timeouts": float(timed_out),
+        }
+        if self._multi:
+            for name, indices in members.items():
+                scored = [outcomes[(i, name)] for i in indices]
+                metrics[f"reward/{name}/mean"] = statistics.fmean(o.score for o in scored)
+                metrics[f"reward/{name}/errors"] = float(sum(o.failed for o in scored))
+        if self._pool is not None:
+            metrics["reward/worker_restarts"] = float(self._pool.restarts)
+        return metrics
+
+    def _log_once(self, fn: RewardFunction, outcome: RewardOutcome) -> None:
+        kind = outcome.error_kind or ""
+        detail = (outcome.error or "").split(":", 1)[0] if kind == "exception" else ""
+        key = (fn.name, kind, detail)
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        counters = "reward/errors and reward/timeouts" if kind == "timeout" else "reward/errors"
+        log.warning(
+            "reward %r failed (%s): %s. The sample scores 0 and is counted in %s; later failures of this kind are "
+            "counted, not logged.%s",
+            fn.name,
+            kind,
+            outcome.error,
+            counters,
+            f"\n{outcome.traceback.rstrip()}" if outcome.traceback else "",
+        )
+
+    def close(self) -> None:
+        """Cancels calls in flight and stops the workers; safe to call twice."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,63 @@
+"""The reward worker process's main loop.
+
+This module is preloaded in the multiprocessing fork server, so the heavy grader dependencies (math-verify / sympy)
+are imported once there and every worker forked from it starts warm.
+"""
+
+from __future__ import annotations
+
+import signal
+from multiprocessing.connection import Connection
+
+import math_verify  # noqa: F401  (preloaded: see the module docstring)
+from miles.rewards.calls import call_sync
+from miles.rewards.loading import BoundReward, bind
+from miles.rewards.outcome import failure, outcome_from_exception
+
+
+def _limit_address_space(memory_mb: int) -> None:
+    """Caps this worker's address space at its start-up size plus `memory_mb`: a reward allocating past it gets a
+    MemoryError (scored as kind `memory`) instead of taking the machine down."""
+    if memory_mb <= 0:
+        return
+    import resource
+
+    with open("/proc/self/status") as f:
+        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    limit = vm_kb * 1024 + (memory_mb << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def worker_main(conn: Connection, memory_mb: int) -> None:
+    """Receives (call_id, RewardFunction, samples), replies (call_id, outcomes, recycle); None or EOF stops it.
+    Rewards run on this process's main thread, so graders that use signal-based timeouts work."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then closes the pool
+    _limit_address_space(memory_mb)
+    bound: dict[str, BoundReward] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        call_id, fn, samples = message
+        try:
+            if fn.name not in bound:
+                bound[fn.name] = bind(fn)
+            outcomes = call_sync(fn, bound[fn.name], samples)
+        except BaseException as e:  # building the reward (a class constructor) is user code too
+            outcomes = [outcome_from_exception(e)] * len(samples)
+        recycle = any(o.error_kind == "memory" for o in outcomes)  # its heap may be full of leaked objects
+        try:
+            conn.send((call_id, outcomes, recycle))
+        except Exception as e:  # e.g. an unpicklable extra field slipped through
+            conn.send(
+                (
+                    call_id,
+                    [failure("bad_return", f"the result could not be sent back: {e}")] * len(samples),
+                    recycle,
+                )
+            )
+        if recycle:
+            return

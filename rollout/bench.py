@@ -1,0 +1,359 @@
+"""`miles bench rollout`: engine throughput on random prompts, with the decode roofline and an HF baseline.
+
+    miles bench rollout --model qwen3-8b --num-prompts 1024 --input-len 512 --output-len 512 --hf-baseline
+
+A preset name builds random weights in place (no download); a path loads an HF checkpoint. Prints one JSON
+line, then a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+from miles.rollout.engine import Engine
+from miles.rollout.kv_pool import KVLayout
+from miles.rollout.params import SamplingParams
+
+from miles.config import RolloutConfig
+from miles.models import CausalLM, ModelArgs
+from miles.models.checkpoint import from_pretrained, resolve_dtype
+from miles.models.layers import rope_inv_freq
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        model_type="qwen3",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+}
+
+
+def preset_args(name: str) -> ModelArgs:
+    if name not in _PRESETS:
+        raise ValueError(
+            f"unknown preset {name!r}; choose one of {sorted(_PRESETS)} or pass a checkpoint path"
+        )
+    return ModelArgs(**_PRESETS[name])
+
+
+def random_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, seed: int) -> CausalLM:
+    """Random weights built directly on the device in the target dtype (no float32 or CPU copy)."""
+    with torch.device("meta"):
+        model = CausalLM(args)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    torch.manual_seed(seed)
+    model.init_weights(std=0.02)
+    return model.eval()
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10)."""
+    src = torch.randn(512 * 1024 * 1024, device=device, dtype=torch.float32)  # 2 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 512 * 1024 * 1024 * 4 / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def decode_weight_bytes(args: ModelArgs, dtype: torch.dtype, batch: float) -> float:
+    """Weight bytes a decode step must read at this batch size (embedding rows aside; MoE: experts touched)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    h = args.hidden_size
+    total = args.num_parameters() - args.vocab_size * h  # the embedding is gathered, not streamed
+    if args.tie_word_embeddings:
+        total += args.vocab_size * h  # ... but a tied lm_head reads it whole
+    if args.num_experts:
+        per_expert = 3 * h * args.moe_intermediate_size
+        touched = args.num_experts * (1 - (1 - args.num_experts_per_tok / args.num_experts) ** batch)
+        total -= len(args.moe_layer_ids) * per_expert * (args.num_experts - touched)
+    return total * elem
+
+
+def hf_sharing(model: CausalLM) -> Any:
+    """A transformers model whose parameters are this model's tensors (no copy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.models.checkpoint import internal_to_hf
+
+    config = AutoConfig.for_model(**model.args.to_hf_dict())
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    state = model.state_dict()
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        hf.load_state_dict(dict(internal_to_hf(state, model.args)), strict=False, assign=True)
+    if model.args.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(model.device)
+    leftover = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if leftover:
+        raise RuntimeError(f"could not map weights into the transformers model: {leftover[:5]}")
+    return hf.eval()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="miles bench rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="tiny", help=f"checkpoint path or preset: {', '.join(_PRESETS)}")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (GRPO group size)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--radix-cache", default="on", choices=["on", "off"])
+    p.add_argument("--cuda-graph", default="on", choices=["on", "off"])
+    p.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="prompts for the baseline (default: all)")
+    p.add_argument("--hf-output-len", type=int, default=None, help="baseline output length (default: same)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--max-running-requests", type=int, default=1024)
+    p.add_argument("--kv-cache-fraction", type=float, default=0.85)
+    p.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    device = torch.device(
+        "cuda"
+        if a.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if a.device == "auto" else a.device)
+    )
+    on_gpu = device.type == "cuda"
+    dtype = resolve_dtype(a.dtype or ("bfloat16" if on_gpu else "float32"))
+    if a.model in _PRESETS:
+        args = preset_args(a.model)
+        args.max_position_embeddings = max(args.max_position_embeddings, a.input_len + a.output_len + 8)
+        model = random_model(args, dtype, device, a.seed)
+    else:
+        model = from_pretrained(a.model, dtype=dtype, device=device).eval()
+        args = model.args
+    cfg = RolloutConfig(
+        backend=a.backend,
+        max_batch_tokens=a.max_batch_tokens,
+        max_running_requests=min(a.max_running_requests, a.max_batch_tokens),
+        kv_cache_bytes=a.kv_cache_bytes,
+        kv_cache_fraction=a.kv_cache_fraction,
+        page_size=a.page_size,
+        radix_cache=a.radix_cache == "on",
+        cuda_graph=a.cuda_graph == "on",
+        deterministic=a.deterministic,
+    )
+    engine = Engine(model, None, cfg)
+    gen = torch.Generator().manual_seed(a.seed)
+    prompts = torch.randint(0, args.vocab_size, (a.num_prompts, a.input_len), generator=gen).tolist()
+    params = SamplingParams(
+        n=a.n, temperature=a.temperature, max_new_tokens=a.output_len, ignore_eos=True, seed=a.seed
+    )
+
+    # Warm-up: kernel JIT / CUDA-graph capture, on other prompts, then an empty cache.
+    warm = torch.randint(
+        0, args.vocab_size, (min(8, a.num_prompts), min(a.input_len, 64)), generator=gen
+    ).tolist()
+    engine.generate(warm, params.with_(max_new_tokens=4, n=1))
+    engine.flush_cache()
+    engine.metrics(reset=True)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    samples = engine.generate(prompts, params)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    stats = engine.stats
+    out_tokens = sum(len(s.response_ids) for s in samples)
+    result: dict[str, Any] = {
+        "model": a.model,
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": engine.backend,
+        "num_prompts": a.num_prompts,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "n": a.n,
+        "radix_cache": a.radix_cache,
+        "cuda_graph": a.cuda_graph == "on" and on_gpu,
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (out_tokens + a.num_prompts * a.n * a.input_len) / wall,
+        "prefill_tokens": stats.prefill_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
+        "prefix_hit_rate": stats.cached_prompt_tokens / max(stats.prompt_tokens, 1),
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
+        "decode_steps": stats.decode_steps,
+        "decode_tokens_per_s": stats.decode_tokens / stats.decode_s if stats.decode_s else 0.0,
+        "preemptions": stats.preemptions,
+        "kv_pool_tokens": engine.pool.capacity_tokens,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
+        if on_gpu
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    if on_gpu and stats.decode_steps:
+        bandwidth = measure_copy_bandwidth(device) if engine.pool.allocated else 4.3e12
+        avg_batch = stats.decode_tokens / stats.decode_steps
+        kv_bytes = KVLayout.for_model(args, dtype, 1).bytes_per_token
+        floor_s = (
+            stats.decode_steps * decode_weight_bytes(args, dtype, avg_batch)
+            + stats.decode_kv_tokens * kv_bytes
+        ) / bandwidth
+        roofline = stats.decode_tokens / floor_s
+        result.update(
+            copy_bandwidth_bytes_per_s=bandwidth,
+            avg_decode_batch=avg_batch,
+            avg_decode_context=stats.decode_kv_tokens / max(stats.decode_tokens, 1),
+            roofline_output_tokens_per_s=roofline,
+            decode_pct_of_roofline=100 * result["decode_tokens_per_s"] / roofline,
+        )
+    if a.hf_baseline:
+        engine.release_memory()
+        result.update(run_hf_baseline(model, prompts, a, device))
+        result["speedup_vs_hf"] = result["output_tokens_per_s"] / result["hf_output_tokens_per_s"]
+    print(json.dumps(result), flush=True)
+    print_table(result)
+    return 0
+
+
+def run_hf_baseline(
+    model: CausalLM, prompts: list[list[int]], a: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    hf = hf_sharing(model)
+    num = min(a.hf_num_prompts or len(prompts), len(prompts))
+    out_len = a.hf_output_len or a.output_len
+    ids = torch.tensor(prompts[:num], device=device)
+    with torch.no_grad():  # same weights: the two models agree on a short input
+        probe = ids[:1, :16]
+        ours = model(probe).float()
+        rel_err = float((hf(probe).logits.float() - ours).norm() / ours.norm())
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=out_len,
+        min_new_tokens=out_len,
+        num_return_sequences=a.n,
+        pad_token_id=0,
+    )
+    if a.temperature > 0:
+        kwargs.update(do_sample=True, temperature=a.temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    with torch.no_grad():
+        warm = ids[: min(2, num), :32]
+        hf.generate(
+            warm,
+            **{**kwargs, "attention_mask": torch.ones_like(warm), "max_new_tokens": 2, "min_new_tokens": 2},
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {
+        "hf_num_prompts": num,
+        "hf_output_len": out_len,
+        "hf_wall_s": wall,
+        "hf_output_tokens_per_s": generated / wall,
+        "hf_logits_rel_err": rel_err,
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    rows = [
+        ("model", r["model"]),
+        ("device / dtype / backend", f"{r['device']} / {r['dtype']} / {r['backend']}"),
+        ("prompts x n x (in, out)", f"{r['num_prompts']} x {r['n']} x ({r['input_len']}, {r['output_len']})"),
+        ("output tok/s", f"{r['output_tokens_per_s']:,.0f}"),
+        ("total tok/s", f"{r['total_tokens_per_s']:,.0f}"),
+        ("prefill tokens computed / cached", f"{r['prefill_tokens']:,} / {r['cached_prompt_tokens']:,}"),
+        ("prefill s / decode s", f"{r['prefill_s']:.2f} / {r['decode_s']:.2f}"),
+        ("decode tok/s", f"{r['decode_tokens_per_s']:,.0f}"),
+    ]
+    if "roofline_output_tokens_per_s" in r:
+        rows.append(
+            (
+                "decode roofline tok/s (% reached)",
+                f"{r['roofline_output_tokens_per_s']:,.0f} ({r['decode_pct_of_roofline']:.0f}%)",
+            )
+        )
+    if "hf_output_tokens_per_s" in r:
+        rows.append(
+            (
+                "HF generate tok/s (prompts, out)",
+                f"{r['hf_output_tokens_per_s']:,.0f} ({r['hf_num_prompts']}, {r['hf_output_len']})",
+            )
+        )
+        rows.append(("speedup vs HF", f"{r['speedup_vs_hf']:.1f}x"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

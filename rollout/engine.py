@@ -1,0 +1,592 @@
+"""`Engine`: the embedded rollout engine — the RL loop's `generate`, on the shared `CausalLM`.
+
+One step = schedule (scheduler.py) -> allocate KV slots (kv_manager.py) -> forward over the paged KV cache
+(model_runner.py) -> sample with exact logprobs (sampling.py) -> finish, cache and release requests.
+`generate` adds a batch of requests and steps until they are all done; `add_request` / `step` / `abort`
+expose the same loop one step at a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.kv_manager import KVManager
+from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
+from miles.rollout.model_runner import ModelRunner
+from miles.rollout.params import SamplingParams
+from miles.rollout.radix_cache import RadixCache
+from miles.rollout.request import Request
+from miles.rollout.sampling import SamplingTensors, derive_seed, sample, uniforms
+from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
+
+from miles.config import RolloutConfig
+from miles.models.checkpoint import from_pretrained, hf_to_internal
+from miles.models.model import CausalLM
+from miles.sample import Sample, SampleStatus
+
+WeightsInput = (
+    Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[Mapping[str, torch.Tensor]]
+)
+
+_DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
+"""Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
+_SAMPLE_BLOCK_GPU = 256
+"""Rows sampled at once on GPU (bounds the [rows, vocab] float64 temporaries)."""
+_STALL_STEPS = 10_000
+
+
+@dataclass
+class EngineStats:
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens of first admissions (the hit-rate denominator)."""
+    cached_prompt_tokens: int = 0
+    """Of those, found in the radix cache."""
+    prefill_tokens: int = 0
+    """Tokens computed in prefill / extend chunks (recomputation after preemption included)."""
+    decode_tokens: int = 0
+    preemptions: int = 0
+    requests: int = 0
+    aborted: int = 0
+    truncated: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    """Wall time of steps that computed any prefill chunk."""
+    decode_s: float = 0.0
+    """Wall time of pure decode steps."""
+    decode_kv_tokens: int = 0
+    """Sum over decode steps of the tokens attended (for the decode roofline)."""
+    peak_used_tokens: int = 0
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    if name == "auto":
+        ok = device.type == "cuda" and has_flashinfer and dtype in (torch.bfloat16, torch.float16)
+        return "flashinfer" if ok else "torch"
+    if name == "torch":
+        return name
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(
+                "rollout.backend=flashinfer needs a CUDA device; use rollout.backend=torch on CPU"
+            )
+        if not has_flashinfer:
+            raise ImportError("rollout.backend=flashinfer needs flashinfer: pip install 'miles[gpu]'")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"flashinfer kernels run bf16/fp16 models, not {dtype}; use rollout.backend=torch"
+            )
+        return name
+    raise ValueError(f"rollout.backend must be auto, torch or flashinfer, got {name!r}")
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Any | None, cfg: RolloutConfig) -> None:
+        if cfg.page_size < 1:
+            raise ValueError(f"rollout.page_size must be >= 1, got {cfg.page_size}")
+        if cfg.max_running_requests > cfg.max_batch_tokens:
+            raise ValueError(
+                f"rollout.max_running_requests ({cfg.max_running_requests}) must not exceed rollout.max_batch_tokens "
+                f"({cfg.max_batch_tokens}): every running request feeds one token per step"
+            )
+        if cfg.update_policy not in ("finish", "retract"):
+            raise ValueError(f"rollout.update_policy must be finish or retract, got {cfg.update_policy!r}")
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.args = model.args
+        self.device, self.dtype = model.device, model.dtype
+        model.eval()
+        self.backend = resolve_backend(cfg.backend, self.device, self.dtype)
+        layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size)
+        self.pool = KVPool(layout, self._pool_pages(layout), self.device)
+        self.max_context = self.args.max_position_embeddings
+        table = RequestTable(
+            cfg.max_running_requests, min(self.max_context, self.pool.capacity_tokens), self.device
+        )
+        tree = RadixCache(cfg.page_size, self.device, self.pool.free_slots) if cfg.radix_cache else None
+        self.kv = KVManager(self.pool, table, tree)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_tokens=cfg.max_batch_tokens, max_running_requests=cfg.max_running_requests
+            ),
+            self.kv,
+        )
+        on_gpu = self.device.type == "cuda"
+        self.det_chunk = _DET_CHUNK_GPU if on_gpu else _DET_CHUNK_CPU
+        graph_batch = min(cfg.max_running_requests, 1024) if cfg.cuda_graph and on_gpu else 0
+        self.runner = ModelRunner(
+            model, self.pool, table, self.backend, cfg.deterministic, self.det_chunk, graph_batch
+        )
+        self.eos_ids = set(self.args.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+        self._weight_version = 0
+        self._next_rid = 0
+        self._seed_counter = 0
+        self._requests: dict[int, Request] = {}
+        self._results: dict[int, Sample] = {}
+        self._prompt_texts: dict[int, str] = {}
+        self._released = False
+        self._last_step_ran = False
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        cfg: RolloutConfig,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "auto",
+    ) -> Engine:
+        if str(device) == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = from_pretrained(path, dtype=dtype, device=device)
+        tokenizer = None
+        if any(
+            (Path(path) / name).exists()
+            for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        ):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return cls(model, tokenizer, cfg)
+
+    def _pool_pages(self, layout: KVLayout) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return layout.pages_for_bytes(int(free * self.cfg.kv_cache_fraction))
+        return layout.pages_for_bytes(self.cfg.kv_cache_bytes)
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # public API ----------------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[Sample] | list[list[int]] | list[str], params: SamplingParams
+    ) -> list[Sample]:
+        """`len(prompts) * params.n` samples, prompt-major; blocks until all are finished."""
+        rids = []
+        for position, prompt in enumerate(prompts):
+            source = prompt if isinstance(prompt, Sample) else None
+            ids = self._prompt_ids(prompt)
+            group_id = source.group_id if source is not None else position
+            for index in range(params.n):
+                rids.append(
+                    self.add_request(
+                        ids,
+                        params,
+                        group_id=group_id,
+                        index=index,
+                        source=source,
+                        prompt_text=prompt if isinstance(prompt, str) else None,
+                    )
+                )
+        stalled = 0
+        while any(rid not in self._results for rid in rids):
+            progressed = bool(self.step()) or self._last_step_ran
+            stalled = 0 if progressed else stalled + 1
+            if stalled > _STALL_STEPS:
+                raise RuntimeError("rollout engine made no progress (scheduler bug); please report it")
+        return [self._results.pop(rid) for rid in rids]
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        group_id: int = 0,
+        index: int = 0,
+        source: Sample | None = None,
+        prompt_text: str | None = None,
+    ) -> int:
+        """Queue one sample's request; returns its id (its result comes out of `step`)."""
+        self._check_usable()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass one to Engine(...) or use stop_token_ids")
+        rid = self._next_rid
+        self._next_rid += 1
+        if params.seed is not None:
+            seed = derive_seed(params.seed, index)
+        else:
+            seed = derive_seed(self.cfg.seed, self._seed_counter)
+            self._seed_counter += 1
+        req = Request(
+            rid=rid,
+            prompt_ids=[int(t) for t in prompt_ids],
+            params=params,
+            seed=seed,
+            group_id=group_id,
+            index=index,
+            source=source,
+        )
+        self._requests[rid] = req
+        if prompt_text is not None:
+            self._prompt_texts[rid] = prompt_text
+        error = self._validate_prompt(req.prompt_ids)
+        if error is not None:
+            self._finish(req, SampleStatus.ABORTED, error)
+        else:
+            self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: int) -> None:
+        """Stop a request at the next step; its result has status aborted and keeps what was generated."""
+        req = self._requests.get(rid)
+        if req is not None and not req.finished:
+            req.abort_requested = True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def take_result(self, rid: int) -> Sample | None:
+        return self._results.pop(rid, None)
+
+    def step(self) -> list[Sample]:
+        """Run one scheduling step; returns the samples that finished in it."""
+        self._check_usable()
+        t0 = time.perf_counter()
+        finished: list[Sample] = []
+        self._last_step_ran = False
+        for req in [r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.abort_requested]:
+            finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.retracted)
+        for req, message in plan.failed:
+            finished.append(self._finish(req, SampleStatus.ABORTED, message))
+        if plan.chunks:
+            finished.extend(self._run(plan.chunks))
+            self._last_step_ran = True
+            elapsed = time.perf_counter() - t0
+            self.stats.steps += 1
+            if plan.is_decode:
+                self.stats.decode_steps += 1
+                self.stats.decode_s += elapsed
+                self.stats.decode_kv_tokens += sum(c.start + 1 for c in plan.chunks)
+            else:
+                self.stats.prefill_s += elapsed
+        return finished
+
+    # weights and memory ----------------------------------------------------------------------------
+    def update_weights(self, weights: WeightsInput, version: int | None = None) -> None:
+        """Load new weights (model names or HF names; a dict, (name, tensor) pairs, or buckets of either).
+
+        Requests in flight are finished on the old weights first (update_policy=finish) or restarted from
+        their prompt on the new ones (retract). The radix cache is flushed: its KV came from the old weights.
+        """
+        self._check_usable()
+        if self.scheduler.has_work:
+            if self.cfg.update_policy == "finish":
+                while self.scheduler.has_work:
+                    self.step()
+            else:
+                for req in self.scheduler.retract_all():
+                    req.output_ids, req.logprobs, req.stop_text = [], [], None
+        self.flush_cache()
+        self._load(weights)
+        self._weight_version = self._weight_version + 1 if version is None else int(version)
+
+    def flush_cache(self) -> None:
+        """Empty the radix cache (no request may hold KV)."""
+        if self.scheduler.running:
+            raise RuntimeError("flush_cache with requests running; retract or finish them first")
+        if self.kv.tree is not None:
+            self.kv.tree.reset(free=True)
+
+    def release_memory(self) -> None:
+        """Free the KV pool (colocated training); running requests are retracted and recomputed on resume."""
+        if self._released:
+            return
+        self.scheduler.retract_all()
+        self.flush_cache()
+        self.runner.release()
+        self.pool.release()
+        self._released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if not self._released:
+            return
+        self.pool.allocate()
+        self._released = False
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """rollout/* metrics over the window since the last reset."""
+        s = self.stats
+        busy = s.prefill_s + s.decode_s
+        used = self.kv.used_tokens() if not self._released else 0
+        capacity = self.pool.capacity_tokens
+        out = {
+            "rollout/tokens_per_s": s.output_tokens / busy if busy else 0.0,
+            "rollout/prefix_hit_rate": s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "rollout/cache_usage": used / capacity,
+            "rollout/cache_usage_peak": s.peak_used_tokens / capacity,
+            "rollout/preemptions": float(s.preemptions),
+            "rollout/output_tokens": float(s.output_tokens),
+            "rollout/prefill_tokens": float(s.prefill_tokens),
+            "rollout/cached_prompt_tokens": float(s.cached_prompt_tokens),
+            "rollout/prefill_s": s.prefill_s,
+            "rollout/decode_s": s.decode_s,
+            "rollout/aborted": float(s.aborted),
+            "rollout/truncated": float(s.truncated),
+            "rollout/weight_version": float(self._weight_version),
+        }
+        if reset:
+            self.stats = EngineStats(peak_used_tokens=used)
+        return out
+
+    # internals -----------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._released:
+            raise RuntimeError("the engine's KV memory is released; call engine.resume_memory() first")
+
+    def _prompt_ids(self, prompt: Sample | list[int] | str) -> list[int]:
+        if isinstance(prompt, Sample):
+            if prompt.prompt_ids:
+                return list(prompt.prompt_ids)
+            prompt = prompt.prompt  # type: ignore[assignment]
+            if isinstance(prompt, list):
+                if self.tokenizer is None:
+                    raise ValueError("chat-message prompts need a tokenizer (or fill Sample.prompt_ids)")
+                return list(
+                    self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                )
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or give Engine a tokenizer")
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def _validate_prompt(self, ids: list[int]) -> str | None:
+        if not ids:
+            return "empty prompt: a request needs at least one prompt token"
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            return f"prompt token id {bad[0]} is outside the model's vocabulary [0, {self.args.vocab_size})"
+        if len(ids) + 1 > self.max_context:
+            return (
+                f"prompt has {len(ids)} tokens but the model's context is {self.max_context} tokens "
+                "(max_position_embeddings), so no token can be generated; drop or truncate long prompts "
+                "(data.max_prompt_length)"
+            )
+        if len(ids) > self.pool.capacity_tokens:
+            return (
+                f"prompt has {len(ids)} tokens but the KV pool holds only {self.pool.capacity_tokens}; raise "
+                "rollout.kv_cache_bytes (CPU) / rollout.kv_cache_fraction (GPU) or drop long prompts"
+            )
+        return None
+
+    def _run(self, chunks: list[Chunk]) -> list[Sample]:
+        s = self.stats
+        for c in chunks:
+            if not c.req.admitted:
+                c.req.admitted = True
+                c.req.cached_tokens = c.start
+                s.requests += 1
+                s.prompt_tokens += len(c.req.prompt_ids)
+                s.cached_prompt_tokens += min(c.start, len(c.req.prompt_ids))
+        extend = [c.start < c.req.seq_len - 1 or not c.req.output_ids for c in chunks]
+        s.prefill_tokens += sum(c.length for c, e in zip(chunks, extend) if e)
+        s.decode_tokens += sum(1 for e in extend if not e)
+        batch = self._build_batch(chunks)
+        s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
+        logits, routing = self.runner.forward(batch)
+        if routing is not None and self.pool.routing is not None:
+            self.pool.routing[batch.out_slots] = (
+                routing[:, : batch.num_tokens].permute(1, 0, 2).to(torch.int16)
+            )
+        sampled = [c for c in chunks if c.samples]
+        values: list[list[float]] = [[], []]
+        if sampled:
+            tokens, logprobs = self._sample(logits, [c.req for c in sampled])
+            values = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one host sync
+        for c in chunks:
+            c.req.kv_len += c.length
+        finished = []
+        for c, token, logprob in zip(sampled, values[0], values[1]):
+            req = c.req
+            req.output_ids.append(int(token))
+            req.logprobs.append(float(logprob))
+            s.output_tokens += 1
+            status = self._finish_status(req)
+            if status is not None:
+                finished.append(self._finish(req, status))
+        for c, e in zip(chunks, extend):
+            if e and not c.req.finished:
+                self.kv.cache_unfinished(c.req)
+        return finished
+
+    def _build_batch(self, chunks: list[Chunk]) -> ForwardBatch:
+        ids: list[int] = []
+        sample_index: list[int] = []
+        for c in chunks:
+            ids.extend(c.req.tokens(c.start, c.start + c.length))
+            if c.samples:
+                sample_index.append(len(ids) - 1)
+        lens = np.array([c.length for c in chunks], dtype=np.int64)
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        positions = (
+            np.repeat(starts, lens) + np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        )
+        out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            out_slots=out_slots,
+            rows=[c.req.row for c in chunks],
+            q_lens=lens.tolist(),
+            kv_lens=(starts + lens).tolist(),
+            sample_index=torch.tensor(sample_index, dtype=torch.long).to(dev, non_blocking=True),
+        )
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        ps = [r.params for r in reqs]
+        st = SamplingTensors.build(
+            [p.temperature for p in ps],
+            [p.top_k for p in ps],
+            [p.top_p for p in ps],
+            [p.min_p for p in ps],
+            uniforms([r.seed for r in reqs], [len(r.output_ids) for r in reqs]),
+            self.args.vocab_size,
+            self.device,
+        )
+        num = logits.shape[0]
+        if self.cfg.deterministic:  # fixed row blocks, padded, as for the forward
+            block = self.det_chunk
+            padded = F.pad(logits, (0, 0, 0, (-num) % block))
+            st_pad = SamplingTensors(
+                *(
+                    F.pad(t, (0, (-num) % block))
+                    for t in (st.temperature, st.top_k, st.top_p, st.min_p, st.uniform)
+                ),
+                st.any_greedy,
+                st.all_greedy,
+                st.any_filter,
+            )
+            out = [
+                sample(padded[i : i + block], st_pad.rows(slice(i, i + block)))
+                for i in range(0, padded.shape[0], block)
+            ]
+        elif self.device.type == "cuda" and num > _SAMPLE_BLOCK_GPU:
+            out = [
+                sample(logits[i : i + _SAMPLE_BLOCK_GPU], st.rows(slice(i, i + _SAMPLE_BLOCK_GPU)))
+                for i in range(0, num, _SAMPLE_BLOCK_GPU)
+            ]
+        else:
+            return sample(logits, st)
+        return torch.cat([t for t, _ in out])[:num], torch.cat([lp for _, lp in out])[:num]
+
+    def _finish_status(self, req: Request) -> SampleStatus | None:
+        p = req.params
+        token = req.output_ids[-1]
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return SampleStatus.COMPLETED
+        if p.stop and self._hit_stop_string(req):
+            return SampleStatus.COMPLETED
+        if req.remaining_tokens <= 0 or req.seq_len >= self.max_context:
+            return SampleStatus.TRUNCATED
+        return None
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        window = max(len(s) for s in req.params.stop) + 8
+        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
+        if not any(s in tail for s in req.params.stop):
+            return False
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+        if not cuts:
+            return False
+        req.stop_text = text[: min(cuts)]
+        return True
+
+    def _finish(self, req: Request, status: SampleStatus, error: str | None = None) -> Sample:
+        req.status, req.error = status, error
+        routed = self._routing_of(req) if req.params.return_routing else None
+        self.kv.release(req)
+        self.scheduler.remove(req)
+        self.stats.aborted += status == SampleStatus.ABORTED
+        self.stats.truncated += status == SampleStatus.TRUNCATED
+        sample = self._to_sample(req, routed)
+        self._results[req.rid] = sample
+        del self._requests[req.rid]
+        return sample
+
+    def _routing_of(self, req: Request) -> list[list[list[int]]] | None:
+        """Experts chosen at the position that produced each response token (read from the slot store)."""
+        if self.pool.routing is None or req.row < 0 or not req.output_ids:
+            return None
+        first = len(req.prompt_ids) - 1
+        slots = self.kv.table.table[req.row, first : first + len(req.output_ids)].long()
+        return self.pool.routing[slots].tolist()
+
+    def _to_sample(self, req: Request, routed: list[list[list[int]]] | None) -> Sample:
+        src = req.source
+        text = req.stop_text
+        if text is None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
+        metadata = dict(src.metadata) if src is not None else {}
+        if req.error is not None:
+            metadata["error"] = req.error
+        prompt: Any = src.prompt if src is not None else self._prompt_texts.pop(req.rid, "")
+        return Sample(
+            prompt=prompt,
+            prompt_ids=list(req.prompt_ids),
+            response_ids=list(req.output_ids),
+            response_text=text,
+            rollout_logprobs=list(req.logprobs),
+            loss_mask=[1] * len(req.output_ids),
+            group_id=req.group_id,
+            index=req.index,
+            label=src.label if src is not None else None,
+            metadata=metadata,
+            status=req.status,
+            weight_version=self._weight_version,
+            routed_experts=routed,
+        )
+
+    def _load(self, weights: WeightsInput) -> None:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, tensor in hf_to_internal(_named_tensors(weights), self.args):
+                target = params.get(name)
+                if target is None:
+                    raise KeyError(
+                        f"update_weights: {name!r} is not a parameter of this {self.args.model_type} model "
+                        "(names look like 'model.layers.0.self_attn.q_proj.weight')"
+                    )
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+
+
+def _named_tensors(weights: WeightsInput) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(weights, Mapping):
+        yield from weights.items()
+        return
+    for item in weights:
+        if isinstance(item, Mapping):
+            yield from item.items()
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item  # type: ignore[misc]
+        elif isinstance(item, (list, tuple)):
+            yield from item
+        else:
+            raise TypeError(
+                f"update_weights takes a dict, (name, tensor) pairs or buckets of them, got {type(item)}"
+            )

@@ -1,0 +1,50 @@
+"""`ForwardBatch`: the packed tokens of one engine step and where their keys and values live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    """[N] token ids of every sequence's new tokens, packed."""
+    positions: torch.Tensor
+    """[N] their positions."""
+    out_slots: torch.Tensor
+    """[N] KV slots the new tokens' keys and values go to."""
+    rows: list[int]
+    """[B] request-table row of each sequence."""
+    q_lens: list[int]
+    """[B] new tokens per sequence."""
+    kv_lens: list[int]
+    """[B] cached + new tokens per sequence (what each attends over)."""
+    sample_index: torch.Tensor
+    """[S] indices into the N tokens whose logits are needed (the last token of sampling sequences)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.q_lens))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.q_lens) and int(self.sample_index.numel()) == len(self.rows)
+
+    @property
+    def q_starts(self) -> list[int]:
+        return [0, *np.cumsum(self.q_lens).tolist()]
+
+    def token_rows_positions(self) -> tuple[list[int], list[int]]:
+        """Per-token (table row, position), host side."""
+        rows = np.repeat(np.asarray(self.rows, dtype=np.int64), self.q_lens)
+        ends = np.repeat(np.asarray(self.kv_lens, dtype=np.int64), self.q_lens)
+        starts = np.repeat(np.cumsum(self.q_lens) - np.asarray(self.q_lens), self.q_lens)
+        pos = ends - np.repeat(np.asarray(self.q_lens), self.q_lens) + (np.arange(len(rows)) - starts)
+        return rows.tolist(), pos.tolist()

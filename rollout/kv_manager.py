@@ -1,0 +1,130 @@
+"""KV bookkeeping of requests: admission through the radix cache, slot allocation, caching, release.
+
+Ownership: positions [0, prefix_len) of a request are slots held by the radix tree and pinned by a lock on
+`req.node`; positions [prefix_len, kv_len) are the request's own. Giving a request's KV back (finish,
+retract, abort) inserts its computed tokens into the tree, frees the slots the tree already had
+(duplicates) and the partial last page, and unpins. Without a tree a request owns all of its slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from miles.rollout.kv_pool import KVPool, RequestTable
+from miles.rollout.radix_cache import RadixCache
+from miles.rollout.request import Request
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, table: RequestTable, tree: RadixCache | None) -> None:
+        self.pool, self.table, self.tree = pool, table, tree
+        self.page_size = pool.page_size
+
+    # accounting ----------------------------------------------------------------------------------
+    def available_tokens(self) -> int:
+        """Free slots plus slots the tree could give up."""
+        return self.pool.free_tokens + (self.tree.evictable_size if self.tree else 0)
+
+    def used_tokens(self) -> int:
+        return self.pool.capacity_tokens - self.pool.free_tokens
+
+    def match_length(self, req: Request) -> int:
+        if self.tree is None:
+            return 0
+        return self.tree.match_prefix(req.tokens(0, req.seq_len - 1)).length
+
+    def pages_needed(self, req: Request, num_tokens: int) -> int:
+        p = self.page_size
+        return -(-(req.kv_len + num_tokens) // p) - -(-req.kv_len // p)
+
+    def ensure_free(self, num_tokens: int) -> bool:
+        """Make `num_tokens` slots free, evicting from the tree if needed."""
+        short = num_tokens - self.pool.free_tokens
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.pool.free_tokens >= num_tokens
+
+    # lifecycle -----------------------------------------------------------------------------------
+    def admit(self, req: Request) -> None:
+        """Give the request a table row and its cached prefix (locked)."""
+        row = self.table.alloc()
+        req.row, req.kv_len, req.prefix_len, req.node = row, 0, 0, None
+        if self.tree is not None:
+            match = self.tree.match_prefix(req.tokens(0, req.seq_len - 1))
+            if match.length:
+                self.table.table[row, : match.length] = match.slots
+            self.tree.inc_lock_ref(match.node)
+            req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
+
+    def alloc_extend(self, chunks: list[tuple[Request, int]]) -> torch.Tensor:
+        """Slots for the next `n` positions of each request (written into the table); returns them packed."""
+        p = self.page_size
+        lens = np.array([n for _, n in chunks], dtype=np.int64)
+        starts = np.array([r.kv_len for r, _ in chunks], dtype=np.int64)
+        new_pages = np.array([self.pages_needed(r, n) for r, n in chunks], dtype=np.int64)
+        device = self.table.table.device
+        pages = self.pool.alloc_pages(int(new_pages.sum()))
+        tok_row = np.repeat(np.array([r.row for r, _ in chunks], dtype=np.int64), lens)
+        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        tok_pos = np.repeat(starts, lens) + offsets
+        rows_t = torch.from_numpy(tok_row).to(device, non_blocking=True)
+        pos_t = torch.from_numpy(tok_pos).to(device, non_blocking=True)
+        if p == 1:
+            slots = pages.long()
+        else:
+            page_in_req = tok_pos // p
+            first_new = np.repeat(-(-starts // p), lens)
+            is_new = page_in_req >= first_new
+            ordinal = np.repeat(np.cumsum(new_pages) - new_pages, lens) + page_in_req - first_new
+            base_existing = self.table.table[rows_t, torch.from_numpy(page_in_req * p).to(device)].long()
+            if pages.numel():
+                ordinal_t = torch.from_numpy(np.clip(ordinal, 0, None)).to(device)
+                base_new = pages.long()[ordinal_t] * p
+                base = torch.where(torch.from_numpy(is_new).to(device), base_new, base_existing)
+            else:
+                base = base_existing
+            slots = base + torch.from_numpy(tok_pos % p).to(device)
+        self.table.table[rows_t, pos_t] = slots.to(torch.int32)
+        return slots
+
+    def cache_unfinished(self, req: Request) -> None:
+        """Put the request's computed prefix into the tree so others can share it (it stays pinned)."""
+        if self.tree is None:
+            return
+        aligned = req.kv_len - req.kv_len % self.page_size
+        if aligned <= req.prefix_len:
+            return
+        self._insert(req, aligned)
+
+    def _insert(self, req: Request, aligned: int) -> None:
+        assert self.tree is not None
+        key = req.tokens(0, aligned)
+        own = self.table.table[req.row, :aligned].clone()
+        already = self.tree.insert(key, own)
+        if already > req.prefix_len:
+            self.pool.free_slots(own[req.prefix_len : already])
+        match = self.tree.match_prefix(key)
+        assert match.length == aligned, (match.length, aligned)
+        self.table.table[req.row, req.prefix_len : aligned] = match.slots[req.prefix_len :]
+        self.tree.inc_lock_ref(match.node)
+        if req.node is not None:
+            self.tree.dec_lock_ref(req.node)
+        req.node, req.prefix_len = match.node, aligned
+
+    def release(self, req: Request) -> None:
+        """Give all of the request's KV back (into the tree when there is one) and free its row."""
+        if req.row < 0:
+            return
+        row = self.table.table[req.row]
+        if self.tree is not None:
+            aligned = req.kv_len - req.kv_len % self.page_size
+            if aligned > req.prefix_len:
+                self._insert(req, aligned)
+            if req.kv_len > aligned:
+                self.pool.free_slots(row[aligned : req.kv_len])
+            if req.node is not None:
+                self.tree.dec_lock_ref(req.node)
+        elif req.kv_len:
+            self.pool.free_slots(row[: req.kv_len])
+        self.table.free(req.row)
+        req.row, req.kv_len, req.prefix_len, req.node = -1, 0, 0, None

@@ -1,0 +1,169 @@
+"""Paged KV storage, its page allocator, and the request table (request position -> KV slot).
+
+Slots are token-granular indices into a flat [num_pages * page_size] view; pages are the allocation unit.
+Page 0 is never handed out: padded rows (CUDA-graph buckets, deterministic chunks) write their keys there.
+The allocator keeps free pages in a device tensor and their count on the host, so allocating and freeing
+never synchronise with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles.models.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_size: int
+    routing_shape: tuple[int, int] | None
+    """(num_moe_layers, top_k) when expert choices are stored per slot (MoE models)."""
+
+    @classmethod
+    def for_model(cls, args: ModelArgs, dtype: torch.dtype, page_size: int) -> KVLayout:
+        moe_layers = len(args.moe_layer_ids)
+        routing = (moe_layers, args.num_experts_per_tok) if moe_layers else None
+        return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype, page_size, routing)
+
+    @property
+    def bytes_per_token(self) -> int:
+        kv = (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
+        routing = self.routing_shape[0] * self.routing_shape[1] * 2 if self.routing_shape else 0  # int16 ids
+        return kv + routing
+
+    def pages_for_bytes(self, budget: int) -> int:
+        return budget // (self.bytes_per_token * self.page_size)
+
+
+class KVPool:
+    """k/v caches as [num_layers, num_pages, page_size, num_kv_heads, head_dim] plus a page allocator."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+        if num_pages < 2:
+            raise ValueError(
+                f"the KV budget holds {num_pages} page(s) of {layout.page_size} tokens; the engine needs at least "
+                "2 (one is reserved). Raise rollout.kv_cache_bytes (CPU) or rollout.kv_cache_fraction (GPU)."
+            )
+        self.layout, self.num_pages, self.device = layout, num_pages, device
+        self.page_size = layout.page_size
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.routing: torch.Tensor | None = None
+        self.allocate()
+
+    # storage -----------------------------------------------------------------------------------
+    def allocate(self) -> None:
+        lay = self.layout
+        shape = (lay.num_layers, self.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=lay.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=lay.dtype, device=self.device)
+        if lay.routing_shape is not None:
+            self.routing = torch.zeros(
+                (self.num_slots, *lay.routing_shape), dtype=torch.int16, device=self.device
+            )
+        self._free = [torch.arange(1, self.num_pages, dtype=torch.int32, device=self.device)]
+        self.num_free_pages = self.num_pages - 1
+
+    def release(self) -> None:
+        """Drop the storage (colocated training); `allocate()` brings it back empty."""
+        self.k_cache = self.v_cache = self.routing = None
+        self._free = []
+        self.num_free_pages = 0
+
+    @property
+    def allocated(self) -> bool:
+        return self.k_cache is not None
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens that requests can hold (page 0 is reserved)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.layout.bytes_per_token
+
+    def k_layer(self, layer: int) -> torch.Tensor:
+        return self.k_cache[layer]  # type: ignore[index]
+
+    def v_layer(self, layer: int) -> torch.Tensor:
+        return self.v_cache[layer]  # type: ignore[index]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        lay = self.layout
+        flat = (self.num_slots, lay.num_kv_heads, lay.head_dim)
+        self.k_cache[layer].view(flat).index_copy_(0, slots, k.to(lay.dtype))  # type: ignore[index]
+        self.v_cache[layer].view(flat).index_copy_(0, slots, v.to(lay.dtype))  # type: ignore[index]
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v at `slots` (any shape S) -> [*S, num_kv_heads, head_dim]."""
+        lay = self.layout
+        flat = (self.num_slots, lay.num_kv_heads, lay.head_dim)
+        shape = (*slots.shape, lay.num_kv_heads, lay.head_dim)
+        # index_select is several times faster than advanced indexing on CPU
+        k = self.k_cache[layer].view(flat).index_select(0, slots.reshape(-1))  # type: ignore[index]
+        v = self.v_cache[layer].view(flat).index_select(0, slots.reshape(-1))  # type: ignore[index]
+        return k.view(shape), v.view(shape)
+
+    # page allocator ----------------------------------------------------------------------------
+    def alloc_pages(self, count: int) -> torch.Tensor:
+        if count > self.num_free_pages:
+            raise RuntimeError(
+                f"KV pool: asked for {count} pages with {self.num_free_pages} free (scheduler bug)"
+            )
+        if len(self._free) > 1:
+            self._free = [torch.cat(self._free)]
+        free = self._free[0]
+        pages, self._free[0] = free[:count], free[count:]
+        self.num_free_pages -= count
+        return pages
+
+    def free_pages(self, pages: torch.Tensor) -> None:
+        if pages.numel():
+            self._free.append(pages.to(torch.int32))
+            self.num_free_pages += pages.numel()
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Free the pages holding `slots` (page-aligned: slots[0] starts a page, whole pages but the last)."""
+        self.free_pages(slots[:: self.page_size] // self.page_size)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.num_free_pages * self.page_size
+
+
+class RequestTable:
+    """`table[row, pos]` is the KV slot of position `pos` of the request holding `row`."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+        self.max_requests, self.max_context = max_requests, max_context
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("request table full (scheduler bug)")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)

@@ -1,0 +1,115 @@
+"""`ModelRunner`: one engine step's forward — the shared `CausalLM` over the paged KV cache.
+
+Eager path: `forward_packed` with the chosen backend's attention context, then `compute_logits` on only
+the rows that sample. Decode steps on CUDA replay a captured graph when one fits. Deterministic mode runs
+the tokens in fixed-size chunks (every matmul has the same shape whatever the batch), attention row by row
+and MoE experts in fixed blocks, so a request's logits do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
+from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.kv_pool import KVPool, RequestTable
+
+from miles.models.model import CausalLM
+from miles.models.moe import Experts, RoutingTrace
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        table: RequestTable,
+        backend: str,
+        deterministic: bool,
+        det_chunk_tokens: int,
+        cuda_graph_max_batch: int,
+    ) -> None:
+        self.model, self.pool, self.table = model, pool, table
+        self.backend = backend
+        self.deterministic, self.det_chunk_tokens = deterministic, det_chunk_tokens
+        self.is_moe = bool(model.args.moe_layer_ids)
+        self.flashinfer = None
+        if backend == "flashinfer":
+            from miles.rollout.attention_flashinfer import FlashinferBackend
+
+            self.flashinfer = FlashinferBackend(model.args, pool, table, model.dtype)
+        self.graphs = None
+        if cuda_graph_max_batch > 0 and pool.device.type == "cuda" and not deterministic:
+            from miles.rollout.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self, cuda_graph_max_batch)
+
+    def context(self, batch: ForwardBatch):  # noqa: ANN201 - an AttentionContext
+        if self.flashinfer is not None:
+            return self.flashinfer.context(batch)
+        return TorchPagedAttention(self.pool, self.table, batch)
+
+    def new_trace(self) -> RoutingTrace | None:
+        return RoutingTrace(record=True) if self.is_moe else None
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [S, V] of the sampling rows, routing [num_moe_layers, N, top_k] or None)."""
+        if self.deterministic:
+            return self._forward_deterministic(batch)
+        if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
+            return self.graphs.replay(batch)
+        out = self.model.forward_packed(
+            batch.input_ids, batch.positions, self.context(batch), self.new_trace()
+        )
+        return self.model.compute_logits(out.hidden[batch.sample_index]), out.routing
+
+    def release(self) -> None:
+        """Forget everything that points into the KV pool's memory (graphs are re-captured on demand)."""
+        if self.graphs is not None:
+            self.graphs.reset()
+
+    # deterministic mode --------------------------------------------------------------------------
+    def _forward_deterministic(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        chunk = self.det_chunk_tokens
+        rows, positions = batch.token_rows_positions()
+        n = len(rows)
+        pad = (-n) % chunk
+        rows, positions = rows + [-1] * pad, positions + [0] * pad
+        ids = F.pad(batch.input_ids, (0, pad))
+        pos_t = F.pad(batch.positions, (0, pad))
+        slots = F.pad(batch.out_slots, (0, pad))  # slot 0 is the reserved scratch page
+        hidden, routing = [], []
+        with _batch_invariant_experts(self.model, chunk):
+            for s in range(0, n + pad, chunk):
+                attn = RowwiseAttention(
+                    self.pool, self.table, rows[s : s + chunk], positions[s : s + chunk], slots[s : s + chunk]
+                )
+                out = self.model.forward_packed(
+                    ids[s : s + chunk], pos_t[s : s + chunk], attn, self.new_trace()
+                )
+                hidden.append(out.hidden)
+                if out.routing is not None:
+                    routing.append(out.routing)
+        picked = torch.cat(hidden)[batch.sample_index]
+        num = picked.shape[0]
+        picked = F.pad(picked, (0, 0, 0, (-num) % chunk))
+        logits = [self.model.compute_logits(picked[s : s + chunk]) for s in range(0, picked.shape[0], chunk)]
+        routed = torch.cat(routing, dim=1)[:, :n] if routing else None
+        return (torch.cat(logits)[:num] if logits else self.model.compute_logits(picked)), routed
+
+
+@contextmanager
+def _batch_invariant_experts(model: CausalLM, block: int) -> Iterator[None]:
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    saved = [e.batch_invariant_block for e in experts]
+    for e in experts:
+        e.batch_invariant_block = block
+    try:
+        yield
+    finally:
+        for e, old in zip(experts, saved):
+            e.batch_invariant_block = old

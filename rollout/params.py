@@ -1,0 +1,81 @@
+"""`SamplingParams`: what one `generate` call asks of the engine (per prompt; `n` samples each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles.config import RolloutConfig
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt (the GRPO group size); they share the prompt's KV through the radix cache."""
+    temperature: float = 1.0
+    """0 is greedy (see sampling.py for the logprob convention)."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables."""
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (the EOS ids of the model/tokenizer always do, unless ignore_eos)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (need a tokenizer); the response text is cut before the stop string."""
+    seed: int | None = None
+    """Same seed -> same output whatever else is in the batch; None draws from the engine's seed sequence."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS ids (benchmarks); `stop_token_ids` and `stop` still apply."""
+    return_routing: bool = False
+    """Fill `Sample.routed_experts` (MoE models)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k == 0:
+            self.top_k = -1
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_filter(self) -> bool:
+        """True when top-k / top-p / min-p change the distribution (the sorted sampling path)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def with_(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, **overrides: object) -> SamplingParams:
+        """The rollout config's sampling settings (the RL loop's default params)."""
+        values: dict[str, object] = dict(
+            n=cfg.n_samples_per_prompt,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=list(cfg.stop),
+            return_routing=cfg.record_routing,
+        )
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

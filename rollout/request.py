@@ -1,0 +1,70 @@
+"""`Request`: the engine's state for one sample being generated (prompt, output so far, KV bookkeeping)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles.rollout.params import SamplingParams
+from miles.rollout.radix_cache import TreeNode
+
+from miles.sample import Sample, SampleStatus
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    group_id: int = 0
+    index: int = 0
+    source: Sample | None = None
+    """The input Sample whose prompt / label / metadata the result copies."""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: SampleStatus = SampleStatus.PENDING
+    error: str | None = None
+    abort_requested: bool = False
+    stop_text: str | None = None
+    """Response text cut before a matched stop string."""
+    # KV bookkeeping (see kv_manager.py)
+    row: int = -1
+    """Row of the request table while the request holds KV, else -1."""
+    kv_len: int = 0
+    """Positions [0, kv_len) have keys and values in the pool."""
+    prefix_len: int = 0
+    """Positions [0, prefix_len) are slots owned by the radix tree (pinned through `node`)."""
+    node: TreeNode | None = None
+    cached_tokens: int = 0
+    """Prompt tokens found in the radix cache at first admission (for metrics)."""
+    admitted: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building the whole list."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the newest have KV: the next step feeds one token."""
+        return self.row >= 0 and self.kv_len == self.seq_len - 1
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status != SampleStatus.PENDING

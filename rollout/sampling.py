@@ -1,0 +1,173 @@
+"""Sampling in torch with the exact logprob of each sampled token.
+
+Distribution (the order of transformers' logits warpers): logits / temperature, then top-k (the k most
+likely tokens), then top-p on the renormalised top-k distribution (the smallest set of most likely tokens
+whose mass reaches top_p), then min-p (tokens at least min_p times the most likely one; relative, so its
+place in the order does not matter). The returned logprob is log q(token) where q is that filtered,
+renormalised distribution: the one the token was actually drawn from.
+
+Greedy (temperature 0) returns the argmax. Nothing is drawn, so there is no sampling distribution; by
+convention its logprob is the one under the unfiltered temperature-1 distribution, log_softmax(logits),
+which is what a trainer scoring the same token at temperature 1 recomputes.
+
+Randomness: one uniform number per (request seed, response position), made on the host by a counter-based
+hash (splitmix64), so a request's draws do not depend on the batch it runs in, on preemption, or on the
+device. The token is drawn by inverse CDF over the (sorted, when filtered) probabilities, accumulated in
+float64 so that even very unlikely tokens keep their probability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (e.g. the user's seed and the sample index within its group)."""
+    h = np.zeros(1, dtype=np.uint64)
+    for part in parts:
+        h = _splitmix64(h ^ np.uint64(part & 0xFFFFFFFFFFFFFFFF))
+    return int(h[0] >> np.uint64(1))
+
+
+def uniforms(seeds: list[int] | np.ndarray, positions: list[int] | np.ndarray) -> np.ndarray:
+    """u in [0, 1) (53 random bits) for each (seed, response position) pair; vectorised, batch independent."""
+    s = np.asarray(seeds, dtype=np.uint64)
+    p = np.asarray(positions, dtype=np.uint64)
+    h = _splitmix64(_splitmix64(s) ^ p)
+    return (h >> np.uint64(11)).astype(np.float64) * (2.0**-53)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings of one step, on the logits' device."""
+
+    temperature: torch.Tensor
+    """[B] float32; 0 marks greedy rows."""
+    top_k: torch.Tensor
+    """[B] int64; vocab size when off."""
+    top_p: torch.Tensor
+    """[B] float32."""
+    min_p: torch.Tensor
+    """[B] float32."""
+    uniform: torch.Tensor
+    """[B] float64 in [0, 1)."""
+    any_greedy: bool
+    all_greedy: bool
+    any_filter: bool
+
+    @classmethod
+    def build(
+        cls,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        min_p: list[float],
+        uniform: np.ndarray,
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingTensors:
+        k = [vocab_size if kk <= 0 or kk > vocab_size else kk for kk in top_k]
+        any_filter = (
+            any(kk < vocab_size for kk in k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p)
+        )
+        greedy = [t == 0.0 for t in temperature]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32).to(device, non_blocking=True),
+            top_k=torch.tensor(k, dtype=torch.int64).to(device, non_blocking=True),
+            top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
+            min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
+            uniform=torch.from_numpy(np.ascontiguousarray(uniform, dtype=np.float64)).to(
+                device, non_blocking=True
+            ),
+            any_greedy=any(greedy),
+            all_greedy=all(greedy),
+            any_filter=any_filter,
+        )
+
+    def rows(self, index: torch.Tensor | slice) -> SamplingTensors:
+        return SamplingTensors(
+            self.temperature[index],
+            self.top_k[index],
+            self.top_p[index],
+            self.min_p[index],
+            self.uniform[index],
+            self.any_greedy,
+            self.all_greedy,
+            self.any_filter,
+        )
+
+
+def filtered_logprobs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted log q for rows with filters: returns (logq [B, V] in descending order, token ids [B, V]).
+
+    Dropped tokens have log q = -inf. `temperature` must be > 0 on every row.
+    """
+    scaled = logits / temperature[:, None]
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)
+    dropped = rank[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    dropped = dropped | (mass_before >= top_p[:, None])
+    dropped[:, 0] = False  # the most likely token always survives (top_p > 0)
+    dropped = dropped | (probs < min_p[:, None] * probs[:, :1])
+    return torch.log_softmax(sorted_logits.masked_fill(dropped, float("-inf")), dim=-1), sorted_ids
+
+
+def _inverse_cdf(logq: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of exp(logq) by inverse CDF (float64 accumulation)."""
+    probs = torch.exp(logq.double())
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniform[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # Rounding can put the target at the very end; never land on a zero-probability token.
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, rank, -1).amax(dim=-1)
+    return torch.minimum(idx, last_positive)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (any float dtype) -> (token ids [B] int64, logprobs [B] float32), no host sync."""
+    logits = logits.float()
+    if params.all_greedy:
+        tokens = torch.argmax(logits, dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    greedy = params.temperature == 0.0
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    if params.any_filter:
+        logq, ids = filtered_logprobs(logits, temperature, params.top_k, params.top_p, params.min_p)
+        idx = _inverse_cdf(logq, params.uniform)
+        tokens = ids.gather(-1, idx[:, None]).squeeze(-1)
+        logprobs = logq.gather(-1, idx[:, None]).squeeze(-1)
+    else:
+        logq = torch.log_softmax(logits / temperature[:, None], dim=-1)
+        tokens = _inverse_cdf(logq, params.uniform)
+        logprobs = logq.gather(-1, tokens[:, None]).squeeze(-1)
+    if params.any_greedy:
+        argmax = torch.argmax(logits, dim=-1)
+        greedy_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None]).squeeze(-1)
+        tokens = torch.where(greedy, argmax, tokens)
+        logprobs = torch.where(greedy, greedy_logprobs, logprobs)
+    return tokens, logprobs

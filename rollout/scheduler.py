@@ -1,0 +1,266 @@
+"""Continuous batching: which tokens of which requests the next forward computes.
+
+Every step: all decoding requests feed one token each; requests part-way through their prompt continue it
+(chunked prefill); new requests are admitted while the token budget (`max_batch_tokens`), the running cap
+and the KV pool allow. Admission is cache-aware: waiting requests with the longest cached prefix go first,
+and a request whose prefix is being computed in this very step by another (the `n` samples of a group) waits
+one step and then finds that prefix in the radix cache instead of computing it again. When decoding
+requests need slots that the pool (after evicting unlocked cache) does not have, the scheduler retracts
+running requests (fewest generated tokens first); they re-enter the queue and later recompute their KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from miles.rollout.kv_manager import KVManager
+from miles.rollout.request import Request
+
+_CLIP_NEW_TOKENS = 4096
+"""Cap on any one request's expected future tokens in the admission estimate."""
+
+
+@dataclass
+class Chunk:
+    req: Request
+    start: int
+    length: int
+    samples: bool = False
+    """The chunk reaches the end of the sequence, so its last position yields the next token."""
+
+    @classmethod
+    def of(cls, req: Request, length: int) -> Chunk:
+        return cls(req, req.kv_len, length, req.kv_len + length == req.seq_len)
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+    """Requests that can never run (too long for the pool), with the reason."""
+
+    @property
+    def is_decode(self) -> bool:
+        return (
+            bool(self.chunks)
+            and all(c.length == 1 for c in self.chunks)
+            and all(c.samples for c in self.chunks)
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_tokens: int
+    max_running_requests: int
+    cache_aware: bool = True
+    lpm_max_queue: int = 512
+    """Longest-prefix-match ordering only up to this queue length (it costs a tree walk per request)."""
+    dedup_tokens: int = 32
+    """Defer a request when this many more of its tokens (or half its new tokens) are computed in-batch."""
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVManager) -> None:
+        self.cfg, self.kv = cfg, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.num_retracted = 0
+        self._planned = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def retract_all(self) -> list[Request]:
+        """Give back every running request's KV and queue it again (in its running order, ahead of the rest)."""
+        retracted = list(self.running)
+        for req in reversed(retracted):
+            self.kv.release(req)
+            self.waiting.appendleft(req)
+        self.running.clear()
+        self.num_retracted += len(retracted)
+        return retracted
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # the plan ------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._planned = 0  # slots this step's chunks will take
+        self._make_room_for_decodes(plan)
+        decoding = [r for r in self.running if r.is_decoding]
+        self._planned = sum(self.kv.pages_needed(r, 1) for r in decoding) * self.kv.page_size
+        plan.chunks.extend(Chunk.of(r, 1) for r in decoding)
+        budget = self.cfg.max_batch_tokens - len(decoding)
+        in_batch: list[Request] = []
+        for req in [r for r in self.running if not r.is_decoding]:  # chunked prefills in progress
+            length = self._fit_chunk(req, budget)
+            if length == 0:
+                break
+            plan.chunks.append(Chunk.of(req, length))
+            in_batch.append(req)
+            budget -= length
+        self._admit(plan, budget, in_batch)
+        if not plan.chunks and self.running:
+            self._unblock(plan)
+        if plan.is_decode:
+            self.new_token_ratio = max(
+                self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
+            )
+        return plan
+
+    def _fit_chunk(self, req: Request, budget: int) -> int:
+        """Largest prefill chunk (<= budget) of `req` whose slots can be made free; 0 if none."""
+        length = min(req.seq_len - req.kv_len, budget)
+        while length > 0:
+            need = self.kv.pages_needed(req, length) * self.kv.page_size
+            if self.kv.ensure_free(self._planned + need):
+                self._planned += need
+                return length
+            length = min(length // 2, length - 1)
+        return 0
+
+    def _make_room_for_decodes(self, plan: StepPlan) -> None:
+        """Free a slot for every decoding request, retracting requests while the pool is short."""
+        while True:
+            decoding = [r for r in self.running if r.is_decoding]
+            needed = sum(self.kv.pages_needed(r, 1) for r in decoding) * self.kv.page_size
+            if self.kv.ensure_free(needed):
+                return
+            self.new_token_ratio = 1.0
+            if len(self.running) == 1:  # alone and still short: the pool cannot hold this request
+                self._fail(self.running[0], plan)
+                return
+            # The request that loses least work: fewest generated tokens, then longest prompt.
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+            self._retract(victim, plan)
+
+    def _retract(self, req: Request, plan: StepPlan) -> None:
+        self.kv.release(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        plan.retracted.append(req)
+        self.num_retracted += 1
+
+    def _unblock(self, plan: StepPlan) -> None:
+        """Only part-prefilled requests run and none can grow: keep the furthest along, retract the rest."""
+        head = max(self.running, key=lambda r: r.kv_len)
+        for req in [r for r in self.running if r is not head]:
+            self._retract(req, plan)
+        length = self._fit_chunk(head, self.cfg.max_batch_tokens)
+        if length:
+            plan.chunks.append(Chunk.of(head, length))
+        else:
+            self._fail(head, plan)
+
+    def _fail(self, req: Request, plan: StepPlan) -> None:
+        self.kv.release(req)
+        self.remove(req)
+        plan.failed.append((req, self._too_long_message(req)))
+
+    def _too_long_message(self, req: Request) -> str:
+        return (
+            f"the KV pool cannot hold this request: it needs {req.seq_len} tokens and the pool holds "
+            f"{self.kv.pool.capacity_tokens}; raise rollout.kv_cache_bytes (CPU) or rollout.kv_cache_fraction (GPU), "
+            "or shorten the prompt / max_new_tokens"
+        )
+
+    def _reserved_tokens(self) -> float:
+        """Slots the running requests are expected to need before they finish (SGLang's new-token ratio)."""
+        return sum(min(r.remaining_tokens, _CLIP_NEW_TOKENS) for r in self.running) * self.new_token_ratio
+
+    def _admit(self, plan: StepPlan, budget: int, in_batch: list[Request]) -> None:
+        if not self.waiting or budget <= 0:
+            return
+        candidates = list(self.waiting)
+        lengths: dict[int, int] = {}
+        if self.kv.tree is not None and self.cfg.cache_aware and len(candidates) <= self.cfg.lpm_max_queue:
+            lengths = {r.rid: self.kv.match_length(r) for r in candidates}
+            candidates.sort(key=lambda r: -lengths[r.rid])  # stable: FCFS among equals
+        admitted: list[Request] = []
+        reserved = self._reserved_tokens()
+        trie = _PrefixTrie()
+        for other in in_batch:
+            trie.insert(other.prompt_ids)
+        for req in candidates:
+            if (
+                budget <= 0
+                or len(self.running) >= self.cfg.max_running_requests
+                or self.kv.table.num_free == 0
+            ):
+                break
+            if req.abort_requested:
+                continue
+            if self.kv.tree is not None and in_batch:
+                cached = lengths.get(req.rid)
+                if cached is None:
+                    cached = self.kv.match_length(req)
+                if trie.longest(req.tokens(0, req.seq_len - 1)) - cached >= min(
+                    self.cfg.dedup_tokens, max(1, (req.seq_len - cached) // 2)
+                ):
+                    continue  # its prefix is being computed right now; take it from the cache next step
+            self.kv.admit(req)
+            length = min(req.seq_len - req.kv_len, budget)
+            alone = not self.running and not admitted and not plan.chunks
+            if alone:  # progress guarantee: the first request may take whatever fits
+                length = self._fit_chunk(req, length)
+                ok = length > 0
+            else:
+                need = self.kv.pages_needed(req, length) * self.kv.page_size
+                future = min(req.remaining_tokens, _CLIP_NEW_TOKENS) * self.new_token_ratio
+                room = self.kv.available_tokens() - reserved - self._planned
+                ok = room >= need + future and self.kv.ensure_free(self._planned + need)
+                if ok:
+                    self._planned += need
+            if not ok:
+                if alone:
+                    self._fail(req, plan)
+                    continue
+                self.kv.release(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            admitted.append(req)
+            in_batch.append(req)
+            trie.insert(req.prompt_ids)
+            reserved += min(req.remaining_tokens, _CLIP_NEW_TOKENS) * self.new_token_ratio
+            plan.chunks.append(Chunk.of(req, length))
+            budget -= length
+
+
+class _PrefixTrie:
+    """Token trie of the prompts computed in this step (in-batch prefix sharing)."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, dict] = {}
+
+    def insert(self, ids: list[int]) -> None:
+        node = self.root
+        for t in ids:
+            node = node.setdefault(t, {})
+
+    def longest(self, ids: list[int]) -> int:
+        node, n = self.root, 0
+        for t in ids:
+            node = node.get(t)  # type: ignore[assignment]
+            if node is None:
+                break
+            n += 1
+        return n

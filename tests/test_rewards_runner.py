@@ -1,0 +1,122 @@
+"""The runner survives hostile rewards (hangs, exceptions, NaN, bad returns, crashes, memory blow-ups) with exact
+counters, logs each failure kind once, recovers its workers, and cancels calls at shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import miles.rewards.inprocess as inprocess
+from miles.config import RewardConfig
+from miles.rewards import RewardRunner
+from miles.sample import Sample
+
+USER = str(Path(__file__).parent / "data" / "rewards" / "user_rewards.py")
+
+
+def batch_of(*responses: str) -> list[Sample]:
+    return [Sample(response_text=r, label="1") for r in responses]
+
+
+def kinds(batch: list[Sample]) -> list[str | None]:
+    return [s.reward_info.get("error_kind") for s in batch]
+
+
+def test_hostile_rewards_in_worker_processes(caplog: pytest.LogCaptureFixture) -> None:
+    responses = ["ok", "raise", "nan", "sleep", "ok", "inf", "string", "nodict", "exit", "raise", "sleep", "ok"]
+    batch = batch_of(*responses)
+    cfg = RewardConfig(fn=f"{USER}:selective", timeout_s=1.5, num_workers=2)
+    with caplog.at_level(logging.WARNING, logger="miles.rewards"), RewardRunner(cfg) as runner:
+        metrics = runner.score(batch)
+        assert kinds(batch) == [None, "exception", "nan", "timeout", None, "nan", "bad_return", "bad_return",
+                                "crash", "exception", "timeout", None]
+        assert [s.reward for s in batch] == [1.0, 0, 0, 0, 1.0, 0, 0, 0, 0, 0, 0, 1.0]
+        assert metrics["reward/errors"] == 9.0
+        assert metrics["reward/timeouts"] == 2.0
+        assert metrics["reward/mean"] == pytest.approx(3 / 12)
+        assert metrics["reward/worker_restarts"] == 3.0  # two hung workers killed, one that exited
+        assert "ValueError: this reward raised on purpose" in batch[1].reward_info["error"]
+        assert "return a float or a dict" in batch[6].reward_info["error"]
+        assert "'score'" in batch[7].reward_info["error"]
+
+        again = batch_of("ok", "ok", "raise", "ok")  # the pool recovered; known failure kinds are not re-logged
+        metrics = runner.score(again)
+        assert [s.reward for s in again] == [1.0, 1.0, 0.0, 1.0]
+        assert metrics["reward/errors"] == 1.0 and metrics["reward/timeouts"] == 0.0
+    failure_logs = [r for r in caplog.records if r.name == "miles.rewards" and "failed (" in r.getMessage()]
+    logged_kinds = sorted(r.getMessage().split("failed (")[1].split(")")[0] for r in failure_logs)
+    assert logged_kinds == ["bad_return", "crash", "exception", "nan", "timeout"]
+    assert "Traceback" in next(r.getMessage() for r in failure_logs if "failed (exception)" in r.getMessage())
+
+
+def test_memory_leak_and_huge_allocation_are_contained() -> None:
+    # One worker capped at 250 MB over its start-up size; each "leak" call keeps 100 MB: every third call in a
+    # worker's life fails with a MemoryError, after which the worker is replaced with a fresh heap.
+    cfg = RewardConfig(fn=f"{USER}:selective", num_workers=1, worker_memory_mb=250, timeout_s=20)
+    batch = batch_of("leak", "leak", "leak", "leak", "leak", "leak", "huge", "ok")
+    with RewardRunner(cfg) as runner:
+        metrics = runner.score(batch)
+    assert kinds(batch) == [None, None, "memory", None, None, "memory", "memory", None]
+    assert metrics["reward/errors"] == 3.0
+    assert metrics["reward/worker_restarts"] == 3.0
+    assert [s.reward for s in batch] == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_hostile_rewards_in_process() -> None:
+    batch = batch_of("ok", "raise", "nan", "sleep", "string", "ok")
+    with RewardRunner(RewardConfig(fn=f"{USER}:selective", timeout_s=0.5, num_workers=0)) as runner:
+        metrics = runner.score(batch)
+        assert kinds(batch) == [None, "exception", "nan", "timeout", "bad_return", None]
+        assert metrics["reward/errors"] == 4.0 and metrics["reward/timeouts"] == 1.0
+        again = batch_of("ok", "ok")  # a fresh helper thread took over from the abandoned one
+        assert runner.score(again)["reward/mean"] == 1.0
+
+
+def test_async_rewards_time_out_and_a_blocked_loop_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = batch_of("ok", "sleep", "raise", "ok")
+    with RewardRunner(RewardConfig(fn=f"{USER}:async_selective", timeout_s=0.5)) as runner:
+        metrics = runner.score(batch)
+    assert kinds(batch) == [None, "timeout", "exception", None]
+    assert metrics["reward/errors"] == 2.0 and metrics["reward/timeouts"] == 1.0
+
+    monkeypatch.setattr(inprocess, "ASYNC_GRACE_S", 0.5)
+    blocked = batch_of("a", "b")
+    with RewardRunner(RewardConfig(fn=f"{USER}:blocks_the_loop", timeout_s=0.5)) as runner:
+        metrics = runner.score(blocked)
+        assert kinds(blocked) == ["timeout", "timeout"]
+        assert "blocked the event loop" in blocked[0].reward_info["error"]
+        assert runner._local.abandoned == 1
+
+
+def test_close_cancels_calls_in_flight_and_stops_workers() -> None:
+    runner = RewardRunner(RewardConfig(fn=f"{USER}:selective", timeout_s=60, num_workers=1))
+    batch = batch_of("sleep", "ok")
+    result: dict = {}
+    scorer = threading.Thread(target=lambda: result.update(runner.score(batch)))
+    scorer.start()
+    deadline = time.monotonic() + 30
+    while runner._pool._slots[0].process is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker_pid = runner._pool._slots[0].process.pid
+    time.sleep(0.5)  # the sleeping call is in flight
+    runner.close()
+    scorer.join(timeout=20)
+    assert not scorer.is_alive()
+    assert kinds(batch) == ["cancelled", "cancelled"]
+    assert result["reward/errors"] == 2.0
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker_pid, 0)
+    with pytest.raises(RuntimeError, match="after close"):
+        runner.score(batch_of("ok"))
+    runner.close()  # idempotent
+
+
+def test_empty_batch() -> None:
+    with RewardRunner(RewardConfig(fn="math", num_workers=0)) as runner:
+        assert runner.score([]) == {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 0.0,
+                                    "reward/timeouts": 0.0}

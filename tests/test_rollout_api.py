@@ -1,0 +1,230 @@
+"""Engine API: weight updates and cache flush, memory release, stops, seeds, deterministic mode, routing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from miles.rollout import Engine, SamplingParams
+
+from miles.config import RolloutConfig
+from miles.models import CausalLM, ModelArgs, RoutingTrace
+from miles.models.checkpoint import internal_to_hf
+from miles.sample import Sample, SampleStatus
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(moe: bool = False, seed: int = 0, **overrides: object) -> CausalLM:
+    base: dict[str, object] = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    if moe:
+        base.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    base.update(overrides)
+    model = CausalLM(ModelArgs(**base))  # type: ignore[arg-type]
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def config(**overrides: object) -> RolloutConfig:
+    cfg = RolloutConfig(kv_cache_bytes=4 * 1024 * 1024, max_batch_tokens=256, max_running_requests=32)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+PROMPTS = [[3, 14, 15, 92, 65, 35], [2, 71, 82], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter; enough for the engine's stop-string handling."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_update_weights_changes_outputs_and_flushes_the_cache(moe: bool) -> None:
+    model = tiny_model(moe)
+    engine = Engine(model, None, config())
+    before = [s.response_ids for s in engine.generate(PROMPTS, GREEDY)]
+    assert engine.kv.tree is not None and engine.kv.tree.total_size > 0
+    new = tiny_model(moe, seed=1)
+    # HF names (per-expert tensors for MoE) in two buckets, as weight_sync sends them.
+    named = list(internal_to_hf(new.state_dict(), new.args))
+    engine.update_weights([named[: len(named) // 2], dict(named[len(named) // 2 :])], version=7)
+    assert engine.weight_version == 7
+    assert engine.kv.tree.total_size == 0, "the radix cache must not keep KV computed by the old weights"
+    after = engine.generate(PROMPTS, GREEDY)
+    assert all(s.weight_version == 7 for s in after)
+    fresh = [s.response_ids for s in Engine(new, None, config()).generate(PROMPTS, GREEDY)]
+    assert [s.response_ids for s in after] == fresh
+    assert fresh != before
+    with pytest.raises(KeyError, match="not a parameter"):
+        engine.update_weights({"model.nope.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({"model.norm.weight": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("policy", ["retract", "finish"])
+def test_update_weights_with_requests_in_flight(policy: str) -> None:
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    on_old = [s.response_ids for s in Engine(tiny_model(seed=0), None, config()).generate(PROMPTS, GREEDY)]
+    on_new = [s.response_ids for s in Engine(new, None, config()).generate(PROMPTS, GREEDY)]
+    engine = Engine(old, None, config(update_policy=policy))
+    rids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    engine.update_weights(new.state_dict(), version=1)
+    while engine.has_unfinished:
+        engine.step()
+    results = [engine.take_result(r) for r in rids]
+    if policy == "retract":  # restarted from the prompt on the new weights
+        assert [s.response_ids for s in results] == on_new and all(s.weight_version == 1 for s in results)
+    else:  # finished on the old weights before the update
+        assert [s.response_ids for s in results] == on_old and all(s.weight_version == 0 for s in results)
+
+
+def test_release_and_resume_memory() -> None:
+    engine = Engine(tiny_model(), None, config())
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.release_memory()
+    assert engine.pool.k_cache is None
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.resume_memory()
+    assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == [s.response_ids for s in before]
+
+
+def test_stop_token_ids_eos_and_ignore_eos() -> None:
+    model = tiny_model()
+    engine = Engine(model, None, config())
+    (ref,) = engine.generate([PROMPTS[0]], GREEDY)
+    stop = ref.response_ids[3]
+    cut = ref.response_ids.index(stop) + 1
+    (s,) = engine.generate([PROMPTS[0]], GREEDY.with_(stop_token_ids=[stop]))
+    assert s.response_ids == ref.response_ids[:cut] and s.status == SampleStatus.COMPLETED
+    model.args.eos_token_id = stop
+    eos_engine = Engine(model, None, config())
+    (s,) = eos_engine.generate([PROMPTS[0]], GREEDY)
+    assert s.response_ids == ref.response_ids[:cut] and s.status == SampleStatus.COMPLETED
+    (s,) = eos_engine.generate([PROMPTS[0]], GREEDY.with_(ignore_eos=True))
+    assert s.response_ids == ref.response_ids and s.status == SampleStatus.TRUNCATED
+
+
+def test_stop_strings_cut_the_text() -> None:
+    engine = Engine(tiny_model(), LetterTokenizer(), config())
+    (ref,) = engine.generate([PROMPTS[2]], GREEDY)
+    assert ref.response_text == LetterTokenizer().decode(ref.response_ids)
+    stop = ref.response_text[4:6]
+    first = ref.response_text.find(stop)
+    (s,) = engine.generate([PROMPTS[2]], GREEDY.with_(stop=[stop, "zzzzzz"]))
+    assert s.status == SampleStatus.COMPLETED
+    assert s.response_text == ref.response_text[:first]
+    assert s.response_ids == ref.response_ids[: first + len(stop)]
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(tiny_model(), None, config()).generate([PROMPTS[0]], GREEDY.with_(stop=["x"]))
+
+
+def test_seeded_samples_do_not_depend_on_the_batch() -> None:
+    engine = Engine(tiny_model(), None, config())
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=1234)
+    alone = engine.generate([PROMPTS[0]], params)
+    crowded = engine.generate([PROMPTS[2], PROMPTS[1], PROMPTS[0]], params)
+    assert [s.response_ids for s in alone] == [s.response_ids for s in crowded[8:]]
+    assert len({tuple(s.response_ids) for s in alone}) > 1
+    unseeded = engine.generate([PROMPTS[0]], params.with_(seed=None))
+    assert [s.response_ids for s in unseeded] != [s.response_ids for s in alone]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+def test_deterministic_mode_is_batch_invariant(moe: bool) -> None:
+    model = tiny_model(moe, seed=4)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+    alone = Engine(model, None, config(deterministic=True)).generate([PROMPTS[2]], params)
+    # Different batch composition, chunking and cache state.
+    busy = Engine(model, None, config(deterministic=True, max_batch_tokens=5, max_running_requests=5))
+    busy.generate([PROMPTS[2][:4]], params)
+    crowded = busy.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], params)[2:4]
+    for a, b in zip(alone, crowded):
+        assert a.response_ids == b.response_ids
+        assert a.rollout_logprobs == b.rollout_logprobs  # bit for bit
+
+
+def test_routing_is_recorded_per_response_token() -> None:
+    model = tiny_model(moe=True, seed=5)
+    engine = Engine(model, None, config(max_batch_tokens=8, max_running_requests=8))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=9, return_routing=True)
+    for _ in range(2):  # the second round reuses cached prefixes (their routing comes from the slot store)
+        for s in engine.generate(PROMPTS, params):
+            ids = s.prompt_ids + s.response_ids
+            trace = RoutingTrace(record=True)
+            with torch.no_grad():
+                from miles.models.attention import VarlenAttention
+
+                model.forward_packed(
+                    torch.tensor(ids), torch.arange(len(ids)), VarlenAttention([0, len(ids)]), trace
+                )
+            expected = trace.stacked()[:, len(s.prompt_ids) - 1 : -1].permute(1, 0, 2).tolist()
+            assert s.routed_experts == expected
+    (plain,) = engine.generate([PROMPTS[0]], params.with_(n=1, return_routing=False))
+    assert plain.routed_experts is None
+
+
+def test_sample_inputs_carry_their_fields() -> None:
+    engine = Engine(tiny_model(), None, config())
+    src = Sample(
+        prompt="two plus two", prompt_ids=PROMPTS[1], label="4", metadata={"data_source": "x"}, group_id=42
+    )
+    out = engine.generate([src], GREEDY.with_(n=2))
+    assert [(s.group_id, s.index, s.label, s.prompt) for s in out] == [
+        (42, 0, "4", "two plus two"),
+        (42, 1, "4", "two plus two"),
+    ]
+    assert out[0].metadata == {"data_source": "x"} and out[0].metadata is not src.metadata
+    assert out[0].loss_mask == [1] * len(out[0].response_ids)
+
+
+def test_metrics_names() -> None:
+    engine = Engine(tiny_model(), None, config())
+    engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=4))
+    metrics = engine.metrics()
+    for name in (
+        "rollout/tokens_per_s",
+        "rollout/prefix_hit_rate",
+        "rollout/cache_usage",
+        "rollout/preemptions",
+    ):
+        assert name in metrics
+    assert metrics["rollout/output_tokens"] == 24 and metrics["rollout/tokens_per_s"] > 0
+    assert engine.metrics()["rollout/output_tokens"] == 0  # reset on read
+
+
+def test_flashinfer_page_table_metadata() -> None:
+    from miles.rollout.attention_flashinfer import paged_kv_metadata
+    from miles.rollout.kv_pool import RequestTable
+
+    table = RequestTable(4, 64, torch.device("cpu"))
+    page = 4
+    table.table[2, :10] = torch.tensor([8, 9, 10, 11, 40, 41, 42, 43, 20, 21], dtype=torch.int32)
+    table.table[0, :4] = torch.tensor([4, 5, 6, 7], dtype=torch.int32)
+    indptr, indices, last = paged_kv_metadata(table, [2, 0], [10, 4], page)
+    assert indptr.tolist() == [0, 3, 4] and indices.tolist() == [2, 10, 5, 1] and last.tolist() == [2, 4]

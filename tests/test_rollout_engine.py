@@ -1,0 +1,259 @@
+"""Engine vs references: transformers' greedy `generate`, full-forward logprobs, prefill counts, preemption.
+
+Tiny random float32 Qwen3 / Qwen3-MoE models; the transformers models are loaded from checkpoints written by
+`miles.models.save_pretrained`, so both sides hold the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from miles.rollout import Engine, SamplingParams
+from miles.rollout.kv_pool import KVLayout
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from miles.config import RolloutConfig
+from miles.models import CausalLM, ModelArgs, save_pretrained
+from miles.sample import SampleStatus
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # The CI machine has 2 shared cores; one intra-op thread avoids barrier stalls on these tiny ops.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_args(moe: bool, **overrides: object) -> ModelArgs:
+    base: dict[str, object] = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    if moe:
+        base.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    base.update(overrides)
+    return ModelArgs(**base)  # type: ignore[arg-type]
+
+
+def tiny_model(moe: bool, seed: int = 0, **overrides: object) -> CausalLM:
+    model = CausalLM(tiny_args(moe, **overrides))
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def kv_bytes(model: CausalLM, tokens: int, page_size: int = 1) -> int:
+    """A pool budget holding `tokens` usable tokens (plus the reserved page)."""
+    layout = KVLayout.for_model(model.args, model.dtype, page_size)
+    return (tokens + page_size) * layout.bytes_per_token
+
+
+def config(**overrides: object) -> RolloutConfig:
+    cfg = RolloutConfig(kv_cache_bytes=8 * 1024 * 1024, max_batch_tokens=512, max_running_requests=64)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+PROMPTS = [
+    [3, 14, 15, 92, 65, 35, 89, 79],
+    [2, 71, 82],
+    [3, 14, 15, 92, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [50, 51, 52, 53, 54, 55],
+    [7] * 20,
+]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["qwen3", "qwen3_moe"])
+def model_and_hf_greedy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    model = tiny_model(request.param)
+    path = save_pretrained(model, tmp_path_factory.mktemp("ckpt") / "model")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    return model, expected
+
+
+def assert_pool_clean(engine: Engine) -> None:
+    """Nothing leaked: every slot is free or held (unlocked) by the radix tree; every table row is free."""
+    tree = engine.kv.tree
+    cached = tree.total_size if tree is not None else 0
+    assert engine.pool.free_tokens + cached == engine.pool.capacity_tokens
+    assert tree is None or tree.protected_size == 0
+    assert engine.kv.table.num_free == engine.kv.table.max_requests
+
+
+SETUPS = {
+    "plain": {},
+    "tiny_pool_preempts": {"pool_tokens": 60},
+    "chunked_prefill": {"max_batch_tokens": 6, "max_running_requests": 4},
+    "pages_of_4": {"page_size": 4},
+    "pages_tiny_pool": {"page_size": 4, "pool_tokens": 64, "max_batch_tokens": 8, "max_running_requests": 8},
+}
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_greedy_matches_transformers(model_and_hf_greedy, radix: bool, setup: str) -> None:
+    model, expected = model_and_hf_greedy
+    overrides = dict(SETUPS[setup])
+    pool_tokens = overrides.pop("pool_tokens", None)
+    cfg = config(radix_cache=radix, **overrides)
+    if pool_tokens is not None:
+        cfg.kv_cache_bytes = kv_bytes(model, pool_tokens, cfg.page_size)
+    engine = Engine(model, None, cfg)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=NEW_TOKENS)
+    for _ in range(2):  # the second round runs against a warm radix cache
+        samples = engine.generate(PROMPTS, params)
+        got = [s.response_ids for s in samples]
+        assert got == [e for e in expected for _ in range(2)]
+        assert all(s.status == SampleStatus.TRUNCATED for s in samples)
+        assert [s.group_id for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(2)]
+        assert [s.index for s in samples] == [0, 1] * len(PROMPTS)
+        assert_pool_clean(engine)
+    metrics = engine.metrics()
+    if pool_tokens is not None:
+        assert metrics["rollout/preemptions"] > 0, "the tiny pool was meant to force preemption"
+    if radix:  # the second round finds its prompts cached unless the tiny pool evicted them
+        assert metrics["rollout/prefix_hit_rate"] > (0.2 if pool_tokens else 0.5)
+
+
+def full_forward_logprobs(
+    model: CausalLM,
+    prompt: list[int],
+    response: list[int],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response]))[0, len(prompt) - 1 : -1]
+    rows = []
+    for row, token in zip(logits, response):
+        scores = row[None].clone()
+        if temperature != 1.0:
+            scores = TemperatureLogitsWarper(temperature)(None, scores)
+        if top_k > 0:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        if min_p > 0:
+            scores = MinPLogitsWarper(min_p)(None, scores)
+        rows.append(torch.log_softmax(scores[0], -1)[token])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p", [(1.0, -1, 1.0, 0.0), (0.7, 20, 0.9, 0.0), (1.3, -1, 0.8, 0.05)]
+)
+def test_logprobs_equal_a_full_forward(
+    moe: bool, temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    model = tiny_model(moe, seed=1)
+    engine = Engine(model, None, config(max_batch_tokens=16, max_running_requests=16))  # mixed, chunked steps
+    params = SamplingParams(
+        n=3, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_new_tokens=16, seed=5
+    )
+    samples = engine.generate(PROMPTS, params)
+    for s in samples:
+        assert len(s.rollout_logprobs) == len(s.response_ids) == len(s.loss_mask) == 16
+        ref = full_forward_logprobs(model, s.prompt_ids, s.response_ids, temperature, top_k, top_p, min_p)
+        assert torch.isfinite(ref).all()
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs), ref, atol=1e-5, rtol=0)
+    assert len({tuple(s.response_ids) for s in samples}) > len(PROMPTS), "n samples of a prompt should differ"
+
+
+def test_grpo_groups_prefill_each_prompt_once() -> None:
+    model = tiny_model(False, seed=2)
+    prompts = [[5 + i, 6, 7, 8, 9, 10 + i, 11, 12, 13, 14 + i] * 3 for i in range(4)]
+    n = 8
+    counts = {}
+    for radix in (True, False):
+        engine = Engine(model, None, config(radix_cache=radix))
+        samples = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=6, seed=0))
+        assert len(samples) == len(prompts) * n
+        counts[radix] = engine.metrics()
+        assert_pool_clean(engine)
+    lengths = [len(p) for p in prompts]
+    # With the radix cache: each prompt once, plus the last prompt token of each of the other n-1 samples
+    # (a sample needs the logits at that position, so it recomputes that one token).
+    assert counts[True]["rollout/prefill_tokens"] == sum(length + n - 1 for length in lengths)
+    assert counts[True]["rollout/cached_prompt_tokens"] == sum((n - 1) * (length - 1) for length in lengths)
+    assert counts[False]["rollout/prefill_tokens"] == n * sum(lengths)
+    assert counts[False]["rollout/prefix_hit_rate"] == 0.0
+
+
+def test_abort_and_errors_do_not_disturb_other_requests() -> None:
+    model = tiny_model(False, seed=3, max_position_embeddings=32)
+    engine = Engine(model, None, config())
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    reference = engine.generate(PROMPTS[:2], params)
+    too_long = list(range(1, 33))  # 32 tokens: no room for one more in a 32-token context
+    rids = [
+        engine.add_request(PROMPTS[0], params),
+        engine.add_request(too_long, params),
+        engine.add_request(PROMPTS[1], params),
+        engine.add_request([], params),
+    ]
+    for _ in range(4):
+        engine.step()
+    engine.abort(rids[2])
+    while engine.has_unfinished:
+        engine.step()
+    first, long_one, aborted, empty = (engine.take_result(r) for r in rids)
+    assert first.response_ids == reference[0].response_ids
+    assert long_one.status == SampleStatus.ABORTED and "context" in long_one.metadata["error"]
+    assert empty.status == SampleStatus.ABORTED and "empty" in empty.metadata["error"]
+    assert aborted.status == SampleStatus.ABORTED and aborted.metadata["error"] == "aborted by the caller"
+    assert 0 < len(aborted.response_ids) < 10
+    assert aborted.response_ids == reference[1].response_ids[: len(aborted.response_ids)]
+    assert_pool_clean(engine)
+
+
+def test_generation_stops_at_the_context_length() -> None:
+    model = tiny_model(False, seed=3, max_position_embeddings=24)
+    engine = Engine(model, None, config())
+    (s,) = engine.generate([PROMPTS[4]], SamplingParams(temperature=0.0, max_new_tokens=50))
+    assert s.status == SampleStatus.TRUNCATED and len(s.prompt_ids) + len(s.response_ids) == 24
+
+
+def test_a_request_larger_than_the_pool_fails_alone() -> None:
+    model = tiny_model(False, seed=3)
+    engine = Engine(model, None, config(kv_cache_bytes=kv_bytes(model, 16)))
+    # PROMPTS[0] + 10 new tokens needs 17 slots: it can start but never finish.
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
+    samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert samples[0].status == SampleStatus.TRUNCATED and len(samples[0].response_ids) == 10
+    assert samples[1].status == SampleStatus.ABORTED and "KV pool cannot hold" in samples[1].metadata["error"]
+    assert (
+        samples[2].status == SampleStatus.ABORTED and "KV pool holds only 16" in samples[2].metadata["error"]
+    )
+    assert_pool_clean(engine)

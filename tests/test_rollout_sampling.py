@@ -1,0 +1,147 @@
+"""Sampler: exact logprobs (against transformers' logits warpers), distribution (chi-square), seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from miles.rollout.params import SamplingParams
+from miles.rollout.sampling import SamplingTensors, sample, uniforms
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+def hf_logq(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """log of the distribution transformers' sampling draws from (warpers in generate's order)."""
+    scores = logits.clone()[None]
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k > 0:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    return torch.log_softmax(scores[0], dim=-1)
+
+
+def tensors(
+    rows: int, vocab: int, temperature: float, top_k: int, top_p: float, min_p: float, seed0: int = 0
+) -> SamplingTensors:
+    return SamplingTensors.build(
+        [temperature] * rows,
+        [top_k] * rows,
+        [top_p] * rows,
+        [min_p] * rows,
+        uniforms(np.arange(seed0, seed0 + rows), np.zeros(rows)),
+        vocab,
+        torch.device("cpu"),
+    )
+
+
+SETTINGS = [
+    (1.0, -1, 1.0, 0.0),
+    (0.7, -1, 1.0, 0.0),
+    (1.3, 5, 1.0, 0.0),
+    (0.8, -1, 0.6, 0.0),
+    (1.0, 6, 0.8, 0.0),
+    (0.9, -1, 1.0, 0.2),
+    (1.2, 7, 0.9, 0.05),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", SETTINGS)
+def test_logprobs_are_those_of_the_renormalised_distribution(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 40, generator=gen) * 2
+    tokens, logprobs = sample(logits, tensors(64, 40, temperature, top_k, top_p, min_p))
+    for row in range(64):
+        ref = hf_logq(logits[row], temperature, top_k, top_p, min_p)
+        assert torch.isfinite(ref[tokens[row]]), "sampled a token the warpers drop"
+        assert abs(float(logprobs[row]) - float(ref[tokens[row]])) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p", [SETTINGS[0], SETTINGS[1], SETTINGS[4], SETTINGS[6]]
+)
+def test_draws_follow_the_distribution(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    vocab, draws = 12, 40_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
+    tokens, _ = sample(
+        logits.expand(draws, vocab), tensors(draws, vocab, temperature, top_k, top_p, min_p, seed0=99)
+    )
+    expected = hf_logq(logits, temperature, top_k, top_p, min_p).exp().double()
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[expected == 0].sum() == 0, "drew a filtered-out token"
+    keep = expected > 0
+    f_exp = expected[keep] / expected[keep].sum() * draws
+    _, p_value = chisquare(counts[keep].numpy(), f_exp.numpy())
+    assert p_value > 1e-4, (counts, expected * draws)
+
+
+def test_a_biased_sampler_would_fail_the_chi_square() -> None:
+    # The statistical test has power: a sampler that drew from temperature 1.1 instead of 1.0 is rejected.
+    vocab, draws = 12, 40_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
+    tokens, _ = sample(logits.expand(draws, vocab), tensors(draws, vocab, 1.1, -1, 1.0, 0.0, seed0=99))
+    expected = torch.softmax(logits.double(), -1)
+    _, p_value = chisquare(
+        torch.bincount(tokens, minlength=vocab).double().numpy(), (expected * draws).numpy()
+    )
+    assert p_value < 1e-4
+
+
+def test_greedy_rows_take_argmax_with_temperature_one_logprob() -> None:
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(3))
+    temps = [0.0, 1.0, 0.0, 0.5, 0.0, 1.0]
+    st = SamplingTensors.build(
+        temps,
+        [-1, 5, 3, -1, -1, -1],
+        [1.0, 0.9, 0.5, 1.0, 1.0, 1.0],
+        [0.0] * 6,
+        uniforms(np.arange(6), np.zeros(6)),
+        30,
+        torch.device("cpu"),
+    )
+    tokens, logprobs = sample(logits, st)
+    for row in (0, 2, 4):
+        assert int(tokens[row]) == int(logits[row].argmax())
+        assert float(logprobs[row]) == pytest.approx(
+            float(torch.log_softmax(logits[row], -1).max()), abs=1e-6
+        )
+    all_greedy = SamplingTensors.build(
+        [0.0] * 6,
+        [-1] * 6,
+        [1.0] * 6,
+        [0.0] * 6,
+        uniforms(np.arange(6), np.zeros(6)),
+        30,
+        torch.device("cpu"),
+    )
+    assert sample(logits, all_greedy)[0].tolist() == logits.argmax(-1).tolist()
+
+
+def test_uniforms_depend_only_on_seed_and_position() -> None:
+    a = uniforms([5, 6, 7], [0, 1, 2])
+    b = uniforms([7, 5], [2, 0])
+    assert a[2] == b[0] and a[0] == b[1]
+    assert len(set(uniforms([1] * 100, np.arange(100)).tolist())) == 100
+    u = uniforms(np.arange(100_000), np.zeros(100_000))
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.01
+
+
+def test_sampling_params_validation() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert SamplingParams(top_k=0).top_k == -1

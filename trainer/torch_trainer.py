@@ -1,0 +1,469 @@
+"""`TorchTrainer`: the `torch` backend — our `CausalLM`, AdamW, packed micro-batches, gradient accumulation.
+
+One `train_step(samples)` is one RL update on a scored rollout batch:
+  1. recompute the logprobs of the rollout tokens under the current weights (no grad): the PPO "old"
+     logprobs, and the `mismatch/*` metrics against the engine's own logprobs (when the whole batch is one
+     optimizer step of one epoch, the training forward itself runs on those weights, so its detached
+     logprobs are the old logprobs and no separate pass runs);
+  2. reference-model logprobs when `kl_coef > 0`;
+  3. `epochs_per_rollout` passes, each split into optimizer steps of `global_batch_size` samples, each step
+     accumulated over packed micro-batches of at most `micro_batch_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
+from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
+from miles.trainer.logprobs import autocast, packed_logprobs
+from miles.trainer.losses import LossNormalizer, PolicyLossInput
+from miles.trainer.mfu import device_peak_flops, forward_flops
+from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
+from miles.trainer.packing import MicroBatch, fed_length, pack, response_loss_mask, validate_sample
+
+from miles.config import AlgorithmConfig, TrainerConfig
+from miles.models import CausalLM
+from miles.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenData:
+    """Per-sample tensors [response_len] fixed before the update (indexed by position in the batch)."""
+
+    loss_mask: list[torch.Tensor]
+    old_logprobs: list[torch.Tensor] | None
+    """None: on-policy, the detached logprobs of the training forward itself are the old logprobs."""
+    ref_logprobs: list[torch.Tensor] | None = None
+    tis_weights: list[torch.Tensor] | None = None
+    rollout_logprobs: list[torch.Tensor | None] | None = None
+    """Engine logprobs, used for TIS inside the training forward when `old_logprobs` is None."""
+    tis_cap: float | None = None
+    """TIS cap when TIS is on and the weights are computed inside the training forward."""
+    recorded_old: dict[int, torch.Tensor] = field(default_factory=dict)
+    """On-policy: the old logprobs the training forward produced, for the mismatch metrics."""
+
+
+class TorchTrainer:
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        temperature: float,
+        ref_model: CausalLM | None = None,
+        total_optimizer_steps: int | None = None,
+    ) -> None:
+        """`temperature` is the rollout sampling temperature (logprobs use logits / temperature).
+
+        `total_optimizer_steps` sizes the cosine schedule; when None it is set on the first call to
+        `max_steps * optimizer steps per call` (see `set_total_optimizer_steps`).
+        """
+        if algorithm.kl_coef > 0 and ref_model is None:
+            raise ValueError(
+                "algorithm.kl_coef > 0 needs a frozen reference model: pass ref_model= (or set kl_coef=0)"
+            )
+        if algorithm.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"unknown algorithm.kl_estimator {algorithm.kl_estimator!r}; use {', '.join(KL_ESTIMATORS)}"
+            )
+        LossNormalizer(algorithm.loss_agg, 0, 0)  # validates the aggregation name at start
+        autocast(model.device, cfg.precision)  # validates the precision name at start
+        if cfg.global_batch_size <= 0 or cfg.epochs_per_rollout <= 0:
+            raise ValueError("trainer.global_batch_size and trainer.epochs_per_rollout must be positive")
+        self.model, self.cfg, self.algorithm, self.ref_model = model, cfg, algorithm, ref_model
+        self.temperature = temperature
+        self.device = model.device
+        self.policy_loss = get_policy_loss(algorithm.policy_loss)
+        self.sft_loss = get_policy_loss("sft")
+        self.optimizer = build_optimizer(model, cfg)
+        self.total_optimizer_steps = total_optimizer_steps
+        self.optimizer_steps_done = 0
+        self.peak_flops = device_peak_flops(self.device, cfg.precision, cfg.peak_flops)
+        self._warned_missing_logprobs = False
+
+    def set_total_optimizer_steps(self, total: int) -> None:
+        self.total_optimizer_steps = int(total)
+
+    # ---- public steps -------------------------------------------------------------------------------
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One RL update on scored samples (with `advantage` set). Returns `train/*` and `mismatch/*`."""
+        if self.temperature <= 0:
+            raise ValueError(
+                f"RL training needs a sampling temperature > 0 (got {self.temperature}); greedy rollouts have no logprobs"
+            )
+        if not samples:
+            raise ValueError("train_step got no samples; skip the update when a rollout yields none")
+        start = time.perf_counter()
+        for i, sample in enumerate(samples):
+            validate_sample(sample, i)
+        n = len(samples)
+        all_ids = list(range(n))
+        masks = [
+            torch.tensor(response_loss_mask(s), dtype=torch.float32, device=self.device) for s in samples
+        ]
+        replay = self.cfg.routing_replay
+
+        gbs, epochs = self.cfg.global_batch_size, self.cfg.epochs_per_rollout
+        steps_per_epoch = math.ceil(n / gbs)
+        if self.total_optimizer_steps is None:
+            self.total_optimizer_steps = self.cfg.max_steps * steps_per_epoch * epochs
+        # One epoch in one optimizer step is on-policy: the training forward runs on the weights the old
+        # logprobs would be recomputed with, so its detached logprobs serve as both (one forward saved).
+        on_policy = epochs == 1 and steps_per_epoch == 1
+        rollout = self._rollout_logprobs(samples)
+        tis_cap = self.algorithm.tis_cap if self.algorithm.tis else None
+        ref = None
+        if self.algorithm.kl_coef > 0:
+            ref = self._logprobs_no_grad(self.ref_model, samples, False, self.temperature)
+        metrics: dict[str, float] = {}
+        if on_policy:
+            data = TokenData(masks, None, ref, rollout_logprobs=rollout, tis_cap=tis_cap)
+        else:
+            old = self._logprobs_no_grad(self.model, samples, replay, self.temperature)
+            metrics.update(_mismatch_metrics(old, rollout, masks))
+            tis = None
+            if tis_cap is not None:
+                tis, tis_metrics = _tis_weights(old, rollout, masks, tis_cap)
+                metrics.update(tis_metrics)
+            data = TokenData(masks, old, ref, tis_weights=tis)
+
+        step_metrics = []
+        for epoch in range(epochs):
+            order = self._epoch_order(n, epoch) if steps_per_epoch > 1 else all_ids
+            for begin in range(0, n, gbs):
+                step_metrics.append(
+                    self._optimizer_step(
+                        samples,
+                        order[begin : begin + gbs],
+                        data,
+                        self.policy_loss,
+                        self.temperature,
+                        replay,
+                        self.algorithm.entropy_coef,
+                    )
+                )
+        if on_policy:
+            old = [data.recorded_old[i] for i in all_ids]
+            metrics.update(_mismatch_metrics(old, rollout, masks))
+            if tis_cap is not None:
+                metrics.update(_tis_weights(old, rollout, masks, tis_cap)[1])
+        metrics.update(_summarise(step_metrics))
+        if self.ref_model is None:
+            metrics["train/kl"] = 0.0
+        # fwd+bwd per epoch, plus the old-logprob and reference forwards
+        passes = 3 * epochs + (0 if on_policy else 1) + (1 if ref is not None else 0)
+        metrics.update(self._throughput(samples, epochs, passes, time.perf_counter() - start))
+        return metrics
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step of masked NLL over the response tokens (temperature 1) on all `samples`."""
+        if not samples:
+            raise ValueError("sft_step got no samples")
+        start = time.perf_counter()
+        for i, sample in enumerate(samples):
+            validate_sample(sample, i)
+        if self.total_optimizer_steps is None:
+            self.total_optimizer_steps = self.cfg.max_steps
+        masks = [
+            torch.tensor(response_loss_mask(s), dtype=torch.float32, device=self.device) for s in samples
+        ]
+        data = TokenData(loss_mask=masks, old_logprobs=None)
+        all_ids = list(range(len(samples)))
+        step = self._optimizer_step(samples, all_ids, data, self.sft_loss, 1.0, False, entropy_coef=0.0)
+        metrics = _summarise([step])
+        metrics.update(self._throughput(samples, 1, 3, time.perf_counter() - start))
+        return metrics
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample], temperature: float | None = None) -> list[torch.Tensor]:
+        """Logprobs of each sample's response tokens under the current weights (float32, no grad)."""
+        for i, sample in enumerate(samples):
+            validate_sample(sample, i)
+        t = self.temperature if temperature is None else temperature
+        return self._logprobs_no_grad(self.model, samples, False, t)
+
+    # ---- optimizer and schedule state --------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        """LR the next optimizer step will use."""
+        return self.cfg.lr * lr_multiplier(
+            self.optimizer_steps_done, self.cfg.optim, self.total_optimizer_steps
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"tensors": {name: tensor} (safetensors-ready), "meta": JSON-able dict} for optimizer + schedule."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        saved = self.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        groups_meta = []
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group_names = []
+            for param, idx in zip(group["params"], saved_group["params"]):
+                name = names[id(param)]
+                group_names.append(name)
+                for key, value in saved["state"].get(idx, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optimizer.{name}.{key}"] = value.detach().to("cpu").contiguous()
+                    else:
+                        scalars[f"optimizer.{name}.{key}"] = value
+            hyper = {
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in saved_group.items() if k != "params"
+            }
+            groups_meta.append({"hyper": hyper, "param_names": group_names})
+        meta = {
+            "optimizer_steps_done": self.optimizer_steps_done,
+            "total_optimizer_steps": self.total_optimizer_steps,
+            "param_groups": groups_meta,
+            "scalars": scalars,
+        }
+        return {"tensors": tensors, "meta": meta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        tensors, meta = state["tensors"], state["meta"]
+        current = _group_param_names(self.model, self.optimizer)
+        saved_names = [g["param_names"] for g in meta["param_groups"]]
+        if current != saved_names:
+            missing = set(sum(current, [])) ^ set(sum(saved_names, []))
+            raise ValueError(
+                "optimizer state does not match this model's trainable parameters "
+                f"(differs in: {sorted(missing)[:8]}); it was saved for another model or trainer config"
+            )
+        opt_state: dict[int, dict[str, Any]] = {}
+        groups = []
+        idx = 0
+        for group_meta in meta["param_groups"]:
+            indices = []
+            for name in group_meta["param_names"]:
+                prefix = f"optimizer.{name}."
+                entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+                entry.update(
+                    {k[len(prefix) :]: v for k, v in meta["scalars"].items() if k.startswith(prefix)}
+                )
+                if entry:
+                    opt_state[idx] = entry
+                indices.append(idx)
+                idx += 1
+            hyper = dict(group_meta["hyper"])
+            if "betas" in hyper:
+                hyper["betas"] = tuple(hyper["betas"])
+            groups.append({**hyper, "params": indices})
+        self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+        self.optimizer_steps_done = int(meta["optimizer_steps_done"])
+        total = meta.get("total_optimizer_steps")
+        self.total_optimizer_steps = None if total is None else int(total)
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _epoch_order(self, n: int, epoch: int) -> list[int]:
+        # Seeded by the schedule position, so a resumed run shuffles exactly as an uninterrupted one.
+        generator = torch.Generator().manual_seed(
+            self.cfg.seed * 1_000_003 + self.optimizer_steps_done + epoch
+        )
+        return torch.randperm(n, generator=generator).tolist()
+
+    @torch.no_grad()
+    def _logprobs_no_grad(
+        self, model: CausalLM, samples: list[Sample], replay: bool, temperature: float
+    ) -> list[torch.Tensor]:
+        result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        ids = list(range(len(samples)))
+        for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
+            out = packed_logprobs(model, batch, temperature, self.cfg.precision)
+            for i, values in zip(batch.sample_ids, batch.per_sample(out.logprobs)):
+                result[i] = values
+        return result
+
+    def _rollout_logprobs(self, samples: list[Sample]) -> list[torch.Tensor | None]:
+        rollout = [
+            torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+            if s.rollout_logprobs
+            else None
+            for s in samples
+        ]
+        if any(r is None for r in rollout) and not self._warned_missing_logprobs:
+            self._warned_missing_logprobs = True
+            logger.warning(
+                "%d of %d samples carry no rollout_logprobs: mismatch metrics and TIS skip them",
+                sum(r is None for r in rollout),
+                len(samples),
+            )
+        return rollout
+
+    def _optimizer_step(
+        self,
+        samples: list[Sample],
+        ids: list[int],
+        data: TokenData,
+        loss_fn: PolicyLossFn,
+        temperature: float,
+        replay: bool,
+        entropy_coef: float,
+    ) -> dict[str, float]:
+        algo = self.algorithm
+        normalizer = LossNormalizer.from_masks(algo.loss_agg, [data.loss_mask[i] for i in ids])
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
+            out = packed_logprobs(
+                self.model,
+                batch,
+                temperature,
+                self.cfg.precision,
+                with_entropy=True,
+                entropy_grad=entropy_coef > 0,
+            )
+            ids_in = batch.sample_ids
+            mask = torch.cat([data.loss_mask[i] for i in ids_in])
+            lengths = torch.tensor(batch.response_lengths, device=self.device)
+            advantages = torch.tensor([float(samples[i].advantage) for i in ids_in], device=self.device)
+            old, tis = self._old_and_tis(data, batch, out.logprobs)
+            loss_input = PolicyLossInput(
+                logprobs=out.logprobs,
+                old_logprobs=old,
+                advantages=advantages.repeat_interleave(lengths),
+                loss_mask=mask,
+                seq_index=batch.seq_index,
+                num_seqs=len(ids_in),
+                tis_weights=tis,
+            )
+            result = loss_fn(loss_input, algo)
+            weights = normalizer.token_weights(mask, batch.seq_index, len(ids_in))
+            pg_loss = (result.token_loss * weights).sum()
+            loss = pg_loss
+            mean_weights = mask / max(normalizer.num_tokens, 1)  # metrics are token means over the batch
+            if data.ref_logprobs is not None:
+                kl = kl_estimate(
+                    out.logprobs, torch.cat([data.ref_logprobs[i] for i in ids_in]), algo.kl_estimator
+                )
+                loss = loss + algo.kl_coef * (kl * weights).sum()
+                sums["train/kl"] += (kl.detach() * mean_weights).sum()
+            if entropy_coef > 0:
+                loss = loss - entropy_coef * (out.entropy * weights).sum()
+            loss.backward()
+            sums["train/loss"] += loss.detach()
+            sums["train/pg_loss"] += pg_loss.detach()
+            sums["train/entropy"] += (out.entropy.detach() * mean_weights).sum()
+            sums["train/nll"] += (-out.logprobs.detach() * mean_weights).sum()
+            for name, values in result.token_metrics.items():
+                sums[name] += (values.detach().float() * mean_weights).sum()
+        metrics = {name: value.item() for name, value in sums.items()}
+        metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
+        return metrics
+
+    def _old_and_tis(
+        self, data: TokenData, batch: MicroBatch, logprobs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Old logprobs and TIS weights [M] for a micro-batch: precomputed, or from this forward (on-policy)."""
+        ids = batch.sample_ids
+        if data.old_logprobs is not None:
+            old = torch.cat([data.old_logprobs[i] for i in ids])
+            return old, None if data.tis_weights is None else torch.cat([data.tis_weights[i] for i in ids])
+        old = logprobs.detach()
+        per_sample = batch.per_sample(old)
+        data.recorded_old.update(zip(ids, per_sample))
+        if data.tis_cap is None or data.rollout_logprobs is None:
+            return old, None
+        weights = [
+            torch.ones_like(o)
+            if data.rollout_logprobs[i] is None
+            else torch.exp(o - data.rollout_logprobs[i]).clamp(max=data.tis_cap)
+            for i, o in zip(ids, per_sample)
+        ]
+        return old, torch.cat(weights)
+
+    def _apply_update(self, skip: bool) -> dict[str, float]:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
+        lr = self.lr
+        set_lr(self.optimizer, lr)
+        skip = skip or not math.isfinite(grad_norm)
+        if skip:
+            logger.warning("skipping an optimizer step (grad norm %s, or no loss tokens)", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.optimizer_steps_done += 1  # the schedule advances either way, so it stays aligned with RL steps
+        return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": float(skip)}
+
+    def _throughput(
+        self, samples: list[Sample], epochs: int, passes: int, seconds: float
+    ) -> dict[str, float]:
+        fed = [fed_length(s) for s in samples]
+        metrics = {
+            "train/tokens": float(sum(fed) * epochs),
+            "train/response_tokens": float(sum(len(s.response_ids) for s in samples)),
+            "train/tokens_per_s": sum(fed) * epochs / max(seconds, 1e-9),
+        }
+        if self.peak_flops is not None:
+            flops = forward_flops(self.model.args, fed, sum(len(s.response_ids) for s in samples)) * passes
+            metrics["train/mfu"] = flops / max(seconds, 1e-9) / self.peak_flops
+        return metrics
+
+
+def _mismatch_metrics(
+    old: list[torch.Tensor], rollout: list[torch.Tensor | None], masks: list[torch.Tensor]
+) -> dict[str, float]:
+    """Trainer-vs-engine agreement over the loss tokens of samples that carry rollout logprobs."""
+    pairs = [(o, r, m > 0) for o, r, m in zip(old, rollout, masks) if r is not None]
+    if not pairs or not any(keep.any() for _, _, keep in pairs):
+        return {}
+    trainer_lp = torch.cat([o[keep] for o, _, keep in pairs])
+    rollout_lp = torch.cat([r[keep] for _, r, keep in pairs])
+    diff = (trainer_lp - rollout_lp).abs()
+    # The engine sampled these tokens, so k3 with r = pi_trainer / pi_rollout is unbiased for KL(rollout || trainer).
+    kl = kl_estimate(rollout_lp, trainer_lp, "k3")
+    return {
+        "mismatch/logprob_abs_diff_mean": diff.mean().item(),
+        "mismatch/logprob_abs_diff_max": diff.max().item(),
+        "mismatch/kl": kl.mean().item(),
+    }
+
+
+def _tis_weights(
+    old: list[torch.Tensor], rollout: list[torch.Tensor | None], masks: list[torch.Tensor], cap: float
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Per-token min(pi_old / pi_rollout, cap) (ones where the engine gave no logprobs) and their stats."""
+    weights, raw_kept = [], []
+    for o, r, m in zip(old, rollout, masks):
+        if r is None:
+            weights.append(torch.ones_like(o))
+            continue
+        raw = torch.exp(o - r)
+        weights.append(raw.clamp(max=cap))
+        raw_kept.append(raw[m > 0])
+    if sum(x.numel() for x in raw_kept) == 0:
+        return weights, {}
+    raw_all = torch.cat(raw_kept)
+    return weights, {
+        "mismatch/tis_clipfrac": (raw_all > cap).float().mean().item(),
+        "mismatch/tis_weight_mean": raw_all.clamp(max=cap).mean().item(),
+    }
+
+
+def _summarise(step_metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over optimizer steps; `train/lr` is the last step's, skipped steps are counted."""
+    if not step_metrics:
+        return {}
+    summary = {k: sum(m.get(k, 0.0) for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+    summary["train/lr"] = step_metrics[-1]["train/lr"]
+    summary["train/skipped_steps"] = sum(m["train/skipped_steps"] for m in step_metrics)
+    summary["train/optimizer_steps"] = float(len(step_metrics))
+    return summary
+
+
+def _group_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
