@@ -15,7 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reward": ("miles.rewards.cli:main", "score a jsonl of samples with any reward function"),
     "bench": ("", "benchmarks: miles bench rollout|reward ..."),
     "init-model": ("miles.models.init_model:main", "write a random-initialised HF checkpoint + tokenizer"),
-    "convert": ("miles.models.convert:main", "convert a GGUF model (e.g. SmolLM2) into an HF safetensors folder"),
+    "convert": (
+        "miles.models.convert:main",
+        "convert a GGUF model (e.g. SmolLM2) into an HF safetensors folder",
+    ),
 }
 BENCHES: dict[str, str] = {
     "rollout": "miles.rollout.bench:main",

@@ -51,6 +51,8 @@ class DataConfig:
     """Synthetic math difficulty: easy | medium."""
     shuffle: bool = True
     """Shuffle the training prompts each epoch."""
+    sft_noise: float = 0.0
+    """Synthetic math, SFT only: fraction of reference solutions that pick the wrong operation (noisy demos)."""
 
 
 @dataclass

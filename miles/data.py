@@ -27,12 +27,16 @@ class PromptRow:
 
 def _synthetic_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     train, test = synthetic_math.splits(cfg.train_size, cfg.test_size, cfg.seed, cfg.difficulty)
+    noise_rng = random.Random(cfg.seed + 7919)
 
     def rows(problems: list[synthetic_math.MathProblem]) -> list[PromptRow]:
-        return [
-            PromptRow(p.question, str(p.answer), {"data_source": "synthetic_math", "solution": p.solution})
-            for p in problems
-        ]
+        out = []
+        for p in problems:
+            solution = p.mistaken_solution if noise_rng.random() < cfg.sft_noise else p.solution
+            out.append(
+                PromptRow(p.question, str(p.answer), {"data_source": "synthetic_math", "solution": solution})
+            )
+        return out
 
     return rows(train), rows(test)
 
@@ -73,7 +77,9 @@ def _load_records(path: str) -> list[dict[str, Any]]:
 
     p = Path(path)
     if not p.exists():
-        raise MilesUserError(f"data file {path} does not exist; pass data.path=<jsonl | parquet | saved dataset>")
+        raise MilesUserError(
+            f"data file {path} does not exist; pass data.path=<jsonl | parquet | saved dataset>"
+        )
     if p.is_dir():
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
@@ -83,7 +89,9 @@ def _load_records(path: str) -> list[dict[str, Any]]:
     elif p.suffix == ".parquet":
         ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
     else:
-        raise MilesUserError(f"cannot read {path}: use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
+        raise MilesUserError(
+            f"cannot read {path}: use .jsonl, .json, .parquet or a datasets.save_to_disk folder"
+        )
     return list(ds)
 
 
@@ -100,8 +108,11 @@ def _reasoning_gym_rows(task: str, cfg: DataConfig) -> tuple[list[PromptRow], li
 
     def rows(ds: Any) -> list[PromptRow]:
         return [
-            PromptRow(entry["question"], str(entry["answer"]),
-                      {"data_source": f"reasoning_gym:{task}", "rg_metadata": entry.get("metadata", {})})
+            PromptRow(
+                entry["question"],
+                str(entry["answer"]),
+                {"data_source": f"reasoning_gym:{task}", "rg_metadata": entry.get("metadata", {})},
+            )
             for entry in ds
         ]
 
@@ -153,7 +164,9 @@ class PromptFormatter:
         return list(self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"])
 
 
-def to_samples(rows: list[PromptRow], formatter: PromptFormatter, max_prompt_length: int) -> tuple[list[Sample], int]:
+def to_samples(
+    rows: list[PromptRow], formatter: PromptFormatter, max_prompt_length: int
+) -> tuple[list[Sample], int]:
     """Tokenise rows (one batched tokenizer call); over-long prompts are dropped and counted, never a crash."""
     if not rows:
         return [], 0
@@ -164,10 +177,16 @@ def to_samples(rows: list[PromptRow], formatter: PromptFormatter, max_prompt_len
         if len(ids) > max_prompt_length:
             dropped += 1
             continue
-        samples.append(Sample(prompt=row.prompt, prompt_ids=list(ids), label=row.label, metadata=dict(row.metadata)))
+        samples.append(
+            Sample(prompt=row.prompt, prompt_ids=list(ids), label=row.label, metadata=dict(row.metadata))
+        )
     if dropped:
-        log.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
-                    dropped, len(rows), max_prompt_length)
+        log.warning(
+            "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens",
+            dropped,
+            len(rows),
+            max_prompt_length,
+        )
     return samples, dropped
 
 

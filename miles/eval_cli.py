@@ -11,7 +11,9 @@ from miles.config import DataConfig, RewardConfig, RolloutConfig
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="miles eval", description=__doc__)
     parser.add_argument("--model", required=True, help="checkpoint folder, builtin:NAME or init:ARCH:PRESET")
-    parser.add_argument("--data", default=None, help="jsonl / parquet / saved dataset (default: synthetic math test split)")
+    parser.add_argument(
+        "--data", default=None, help="jsonl / parquet / saved dataset (default: synthetic math test split)"
+    )
     parser.add_argument("--num", type=int, default=200, help="number of held-out problems")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--reward", default="math", help="reward used to judge correctness (score > 0.5)")
@@ -22,7 +24,7 @@ def main(argv: list[str]) -> int:
 
     from miles.data import PromptFormatter, load_rows, to_samples
     from miles.evaluate import evaluate
-    from miles.loop import stop_ids
+    from miles.loop import set_cpu_threads, stop_ids
     from miles.model_io import load_model
     from miles.rewards import RewardRunner
     from miles.rollout import Engine
@@ -30,6 +32,7 @@ def main(argv: list[str]) -> int:
     data_cfg = DataConfig(test_size=args.num, train_size=0, system_prompt=args.system_prompt)
     if args.data:
         data_cfg.source, data_cfg.path, data_cfg.eval_path = "file", args.data, args.data
+    set_cpu_threads(1)
     loaded = load_model(args.model, args.dtype, args.device)
     formatter = PromptFormatter(loaded.tokenizer, data_cfg)
     _, test_rows = load_rows(data_cfg)

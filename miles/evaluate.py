@@ -7,15 +7,22 @@ import time
 from miles.sample import Sample
 
 
-def evaluate(engine: object, rewards: object, prompts: list[Sample], max_new_tokens: int,
-             stop_token_ids: list[int], stop: list[str]) -> tuple[dict[str, float], list[Sample]]:
+def evaluate(
+    engine: object,
+    rewards: object,
+    prompts: list[Sample],
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    stop: list[str],
+) -> tuple[dict[str, float], list[Sample]]:
     from miles.rollout import SamplingParams
 
     if not prompts:
         return {}, []
     start = time.perf_counter()
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                            stop=stop)
+    params = SamplingParams(
+        n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, stop=stop
+    )
     samples = engine.generate(prompts, params)
     reward_metrics = rewards.score(samples)
     correct = sum(1 for s in samples if s.reward > 0.5)

@@ -48,25 +48,37 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from miles.data import PromptFormatter
-    from miles.loop import stop_ids
+    from miles.loop import set_cpu_threads, stop_ids
     from miles.model_io import load_model
     from miles.rollout import Engine, SamplingParams
     from miles.sample import Sample
 
     prompts = read_prompts(args.prompts)
+    set_cpu_threads(1)
     loaded = load_model(args.model, args.dtype, args.device)
     formatter = PromptFormatter(loaded.tokenizer, DataConfig(), use_chat_template=not args.no_chat_template)
     requests = [Sample(prompt=p, prompt_ids=formatter.ids(p)) for p in prompts]
     engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig())
     params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens, seed=args.seed,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
         stop_token_ids=stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids),
     )
     out = args.out.open("w") if args.out else None
     for sample in engine.generate(requests, params):
-        line = json.dumps({"prompt": sample.prompt, "index": sample.index, "response": sample.response_text,
-                           "status": sample.status.value, "num_tokens": sample.response_length})
+        line = json.dumps(
+            {
+                "prompt": sample.prompt,
+                "index": sample.index,
+                "response": sample.response_text,
+                "status": sample.status.value,
+                "num_tokens": sample.response_length,
+            }
+        )
         print(line, file=out) if out else print(line)
     if out:
         out.close()

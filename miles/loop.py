@@ -50,7 +50,8 @@ def rollout_metrics(samples: list[Sample], max_new_tokens: int) -> dict[str, flo
     return {
         "response_length/mean": statistics.fmean(lengths) if lengths else 0.0,
         "response_length/max": float(max(lengths, default=0)),
-        "response_length/clip_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
+        "response_length/clip_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples)
+        / max(len(samples), 1),
         "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "rollout/aborted": float(sum(s.status == SampleStatus.ABORTED for s in samples)),
     }
@@ -84,14 +85,22 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
         ref_model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed).model
         ref_model.requires_grad_(False)
     engine = Engine(model, tokenizer, cfg.rollout)
-    trainer = TorchTrainer(model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model)
+    trainer = TorchTrainer(
+        model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model
+    )
     sync = InProcessWeightSync(model, engine)
-    rewards = RewardRunner(cfg.reward)
+    rewards = RewardRunner(cfg.reward, engine=engine)
     eos = stop_ids(tokenizer, model.args.eos_token_ids)
     params = SamplingParams(
-        n=cfg.rollout.n_samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p, max_new_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=eos, stop=list(cfg.rollout.stop), return_routing=cfg.rollout.record_routing,
+        n=cfg.rollout.n_samples_per_prompt,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        min_p=cfg.rollout.min_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=eos,
+        stop=list(cfg.rollout.stop),
+        return_routing=cfg.rollout.record_routing,
     )
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps)
@@ -132,7 +141,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             is_last = step == cfg.trainer.max_steps
             if cfg.trainer.eval_every and test_prompts and (step % cfg.trainer.eval_every == 0 or is_last):
                 metrics.update(run_eval())
-            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (is_last and cfg.trainer.save_final):
+            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
+                is_last and cfg.trainer.save_final
+            ):
                 save_checkpoint(model, tokenizer, run_dir, step)
             metrics["time/step"] = time.perf_counter() - step_start
             tracker.log_samples(step, samples)

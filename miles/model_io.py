@@ -37,7 +37,11 @@ def pick_device(device: str) -> torch.device:
 def builtin_dir(name: str) -> Path:
     path = Path(str(resources.files("miles"))) / "assets" / name
     if not (path / "config.json").exists():
-        available = sorted(p.name for p in path.parent.iterdir() if (p / "config.json").exists()) if path.parent.exists() else []
+        available = (
+            sorted(p.name for p in path.parent.iterdir() if (p / "config.json").exists())
+            if path.parent.exists()
+            else []
+        )
         raise MilesUserError(f"no built-in model {name!r}; available: {', '.join(available) or 'none'}")
     return path
 
@@ -90,5 +94,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: in
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
-        raise MilesUserError(f"{folder} has no usable tokenizer files ({e}); copy the model's tokenizer there") from e
+        raise MilesUserError(
+            f"{folder} has no usable tokenizer files ({e}); copy the model's tokenizer there"
+        ) from e
     return LoadedModel(model, tokenizer, str(folder))

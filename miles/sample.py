@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-class SampleStatus(str, enum.Enum):
+class SampleStatus(enum.StrEnum):
     PENDING = "pending"
     COMPLETED = "completed"  # stopped on EOS / a stop id / a stop string
     TRUNCATED = "truncated"  # hit max_new_tokens or the context length

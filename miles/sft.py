@@ -31,8 +31,17 @@ def sft_samples(prompts: list[Sample], tokenizer: object, eos_id: int) -> list[S
                 raise MilesUserError("SFT needs a `solution`/`response` column or a label in every data row")
             target = f"#### {p.label}"
         ids = list(tokenizer(str(target), add_special_tokens=False)["input_ids"]) + [eos_id]
-        out.append(Sample(prompt=p.prompt, prompt_ids=p.prompt_ids, response_ids=ids, response_text=str(target),
-                          loss_mask=[1] * len(ids), label=p.label, metadata=p.metadata))
+        out.append(
+            Sample(
+                prompt=p.prompt,
+                prompt_ids=p.prompt_ids,
+                response_ids=ids,
+                response_text=str(target),
+                loss_mask=[1] * len(ids),
+                label=p.label,
+                metadata=p.metadata,
+            )
+        )
     return out
 
 
@@ -78,9 +87,13 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
                     engine, rewards = Engine(model, tokenizer, cfg.rollout), RewardRunner(cfg.reward)
                 engine.update_weights([], step)
                 eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-                eval_metrics, _ = evaluate(engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
+                eval_metrics, _ = evaluate(
+                    engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop)
+                )
                 metrics.update(eval_metrics)
-            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (is_last and cfg.trainer.save_final):
+            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
+                is_last and cfg.trainer.save_final
+            ):
                 save_checkpoint(model, tokenizer, run_dir, step)
             tracker.log_step(step, metrics)
             last = metrics

@@ -28,7 +28,9 @@ def _clean(value: Any) -> Any:
 
 
 class Tracker:
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: dict[str, Any], recipe: str, total_steps: int):
+    def __init__(
+        self, run_dir: Path, cfg: LoggingConfig, config_dict: dict[str, Any], recipe: str, total_steps: int
+    ):
         self.run_dir, self.cfg, self.total_steps = run_dir, cfg, total_steps
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -42,8 +44,12 @@ class Tracker:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False,
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                transient=False,
             )
             self.progress.start()
             self._task = self.progress.add_task(recipe, total=total_steps, status="")
@@ -61,8 +67,12 @@ class Tracker:
             mode = "disabled"
         try:
             return wandb.init(
-                project=self.cfg.wandb_project, name=f"{recipe}-{self.run_dir.name}", dir=str(self.run_dir),
-                config=config_dict, mode=mode, reinit="finish_previous",
+                project=self.cfg.wandb_project,
+                name=f"{recipe}-{self.run_dir.name}",
+                dir=str(self.run_dir),
+                config=config_dict,
+                mode=mode,
+                reinit="finish_previous",
             )
         except Exception as e:  # tracking must never cost the run
             log.warning("W&B init failed (%s); continuing without it", e)
@@ -91,8 +101,13 @@ class Tracker:
     def log_samples(self, step: int, samples: list[Sample]) -> None:
         for sample in samples[: self.cfg.samples_per_step]:
             row = {
-                "step": step, "prompt": sample.prompt, "response": sample.response_text, "reward": sample.reward,
-                "label": sample.label, "status": sample.status.value, "response_length": sample.response_length,
+                "step": step,
+                "prompt": sample.prompt,
+                "response": sample.response_text,
+                "reward": sample.reward,
+                "label": sample.label,
+                "status": sample.status.value,
+                "response_length": sample.response_length,
             }
             self.samples_file.write(json.dumps(row, default=str) + "\n")
 

@@ -84,7 +84,12 @@ def main(argv: list[str]) -> int:
     from miles.run import run_from_hydra
 
     hydra_argv = [
-        "miles train", "--config-name", recipe, *flags, f"hydra.searchpath=[file://{configs_dir()}]", *overrides,
+        "miles train",
+        "--config-name",
+        recipe,
+        *flags,
+        f"hydra.searchpath=[file://{configs_dir()}]",
+        *overrides,
     ]
     task = hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=recipe)(run_from_hydra)
     saved_argv = sys.argv

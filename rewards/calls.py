@@ -15,7 +15,6 @@ from miles.rewards.outcome import (
     outcome_from_value,
     outcomes_from_batch,
 )
-
 from miles.sample import Sample
 
 

@@ -119,12 +119,18 @@ def main(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse already printed usage / help
         return int(e.code or 0)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
-        )
+    # Reward failures (the first traceback of each kind) go to stderr; stdout stays one JSON object per line.
+    logger = logging.getLogger("miles.rewards")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = logger.propagate, logger.level
+    logger.addHandler(handler)
+    logger.propagate, logger.level = False, logging.WARNING
     try:
         return run(args)
     except MilesUserError as e:
         print(f"miles reward: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate, logger.level = saved

@@ -16,7 +16,6 @@ import secrets
 from typing import Any
 
 from miles.rewards.sandbox import ProgramCase, SandboxLimits, run_in_sandbox
-
 from miles.sample import Sample
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)

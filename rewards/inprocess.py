@@ -20,7 +20,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from miles.rewards.calls import call_async, call_sync
 from miles.rewards.loading import BoundReward, RewardFunction, bind
 from miles.rewards.outcome import RewardOutcome, failure
-
 from miles.sample import Sample
 
 log = logging.getLogger("miles.rewards")

@@ -49,9 +49,8 @@ def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
 
 
 def _engine_from_path(model_path: str, **engine_options: Any) -> Any:
-    from miles.rollout import Engine
-
     from miles.config import RolloutConfig
+    from miles.rollout import Engine
 
     dtype = engine_options.pop("dtype", "float32")
     device = engine_options.pop("device", "auto")
@@ -109,17 +108,12 @@ class JudgeReward:
         )
 
     def _judge_prompt(self, sample: Sample) -> Sample:
+        """The engine tokenizes: chat messages when its tokenizer has a chat template (and chat_template), else text."""
         text = self.render(sample)
         tokenizer = getattr(self.engine, "tokenizer", None)
-        if tokenizer is None:
-            return Sample(prompt=text)
         if self.chat_template and getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-        else:
-            ids = tokenizer.encode(text)
-        return Sample(prompt=text, prompt_ids=list(ids))
+            return Sample(prompt=[{"role": "user", "content": text}])
+        return Sample(prompt=text)
 
     def __call__(self, samples: list[Sample]) -> list[dict[str, Any]]:
         try:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from miles.rewards.loading import RewardFunction
 from miles.rewards.outcome import RewardOutcome, failure
-
 from miles.sample import Sample
 
 log = logging.getLogger("miles.rewards")
@@ -167,53 +166,82 @@ class _Slot:
             self._spawn()
             self.conn.send(message)
 
-    def _execute(self, job: _Job) -> list[RewardOutcome]:
-        count = len(job.samples)
-        call_id = self.pool.next_call_id()
-        try:
-            self._send((call_id, job.fn, job.samples))
-        except (
-            pickle.PicklingError,
-            TypeError,
-            AttributeError,
-            ValueError,
-        ) as e:  # pickling: the samples or kwargs cannot be sent
-            return [failure("exception", f"could not send the call to a reward worker: {e}")] * count
-        deadline = time.monotonic() + job.timeout_s
+    def _wait_for_reply(self, deadline: float) -> str:
+        """'ready' | 'closing' | 'timeout'."""
         while not self.conn.poll(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic()))):
             if self.pool._closing.is_set():
-                self.kill()
-                return _cancelled(count)
+                return "closing"
             if time.monotonic() >= deadline:
-                self.kill()  # a hung reward is killed with its worker, never waited on
-                self.pool.count_restart()
-                return [
-                    failure(
-                        "timeout",
-                        f"took longer than {job.timeout_s:g} s (reward.timeout_s); its worker "
-                        "was killed and replaced",
+                return "timeout"
+        return "ready"
+
+    def _execute(self, job: _Job) -> list[RewardOutcome]:
+        """Runs a job's samples in order on this slot's worker. Each sample (or the whole call, for a batched
+        reward) gets its own timeout; a sample that hangs or kills the worker costs only itself: the worker is
+        replaced and the rest of the job continues on the new one."""
+        count = len(job.samples)
+        step = count if job.fn.batched else 1
+        results: list[RewardOutcome | None] = [None] * count
+        done = 0
+        while done < count:
+            call_id, base = self.pool.next_call_id(), done
+            try:
+                self._send((call_id, job.fn, job.samples[base:]))
+            except (
+                pickle.PicklingError,
+                TypeError,
+                AttributeError,
+                ValueError,
+            ) as e:  # cannot pickle the call
+                note = failure("exception", f"could not send the call to a reward worker: {e}")
+                return [note] * count
+            deadline = time.monotonic() + job.timeout_s
+            while done < count:
+                state = self._wait_for_reply(deadline)
+                if state == "closing":
+                    self.kill()
+                    return [r if r is not None else _cancelled(1)[0] for r in results]
+                if state == "timeout":
+                    self.kill()  # a hung reward is killed with its worker, never waited on
+                    self.pool.count_restart()
+                    message = (
+                        f"took longer than {job.timeout_s:g} s (reward.timeout_s); its worker was replaced"
                     )
-                ] * count
-        try:
-            reply_id, outcomes, recycle = self.conn.recv()
-        except (EOFError, OSError):
-            process = self.process
-            if process is not None:
-                process.join(timeout=5)
-            exit_code = process.exitcode if process is not None else None
-            self.kill()
-            self.pool.count_restart()
-            return [
-                failure(
-                    "crash",
-                    f"the reward worker died (exit code {exit_code}: a crash, os._exit or the "
-                    "out-of-memory killer)",
-                )
-            ] * count
-        if reply_id != call_id:  # cannot happen with one call in flight per worker; never mix up samples
-            self.kill()
-            return [failure("crash", "reward worker protocol error")] * count
-        if recycle:
-            self.kill()
-            self.pool.count_restart()
-        return outcomes
+                    results[done : done + step] = [failure("timeout", message)] * step
+                    done += step
+                    break
+                try:
+                    reply_id, offset, outcomes, recycle = self.conn.recv()
+                except (EOFError, OSError):
+                    exit_code = self._reap()
+                    self.pool.count_restart()
+                    message = (
+                        f"the reward worker died (exit code {exit_code}: a crash, os._exit or the OOM killer)"
+                    )
+                    results[done : done + step] = [failure("crash", message)] * step
+                    done += step
+                    break
+                if (
+                    reply_id != call_id or base + offset != done
+                ):  # never attribute an outcome to the wrong sample
+                    self.kill()
+                    return [
+                        r if r is not None else failure("crash", "reward worker protocol error")
+                        for r in results
+                    ]
+                results[done : done + len(outcomes)] = outcomes
+                done += len(outcomes)
+                deadline = time.monotonic() + job.timeout_s
+                if recycle:
+                    self.kill()
+                    self.pool.count_restart()
+                    break
+        return [r for r in results if r is not None]
+
+    def _reap(self) -> int | None:
+        process = self.process
+        if process is not None:
+            process.join(timeout=5)
+        exit_code = process.exitcode if process is not None else None
+        self.kill()
+        return exit_code

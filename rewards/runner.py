@@ -23,15 +23,17 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from miles.config import RewardConfig
 from miles.rewards.inprocess import InProcessExecutor
 from miles.rewards.loading import BUILTINS, RewardConfigError, RewardFunction, describe
 from miles.rewards.outcome import RewardOutcome
 from miles.rewards.pool import WorkerPool
-
-from miles.config import RewardConfig
 from miles.sample import Sample
 
 log = logging.getLogger("miles.rewards")
+
+CHUNKS_PER_WORKER = 4
+"""Per-sample rewards go to the pool in this many chunks per worker: few round trips, still balanced."""
 
 
 def _to_plain(value: Any) -> Any:
@@ -119,6 +121,7 @@ class RewardRunner:
             not f.is_async and not f.in_process for f in self.functions.values()
         )
         self._pool = WorkerPool(num_workers, int(cfg.worker_memory_mb)) if wants_pool else None
+        self._num_workers = num_workers
         self._local = InProcessExecutor()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._local)
         for fn in self.functions.values():
@@ -157,7 +160,13 @@ class RewardRunner:
             calls = []
             for name, indices in members.items():
                 fn = by_name[name]
-                calls += [(fn, indices)] if fn.batched else [(fn, [i]) for i in indices]
+                if fn.batched:
+                    calls.append((fn, indices))
+                elif self._placement(fn) == "pool":  # chunks stream through the workers, timed per sample
+                    size = -(-len(indices) // (CHUNKS_PER_WORKER * self._num_workers))
+                    calls += [(fn, indices[i : i + size]) for i in range(0, len(indices), size)]
+                else:
+                    calls += [(fn, [i]) for i in indices]
             outcomes: dict[tuple[int, str], RewardOutcome] = {}
 
             def record(fn: RewardFunction, indices: list[int], results: list[RewardOutcome]) -> None:

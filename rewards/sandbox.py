@@ -16,6 +16,7 @@ import site
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ SANDBOX_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 """The whole environment a sandboxed program sees (plus HOME/TMPDIR/PWD pointing at its working directory)."""
+NAMESPACES_BROKEN = threading.Event()
+"""Set when namespace isolation failed after the namespaces were created (the kernel allows them, something
+later does not): `auto` sandboxes in this process then use process isolation directly."""
 
 
 @dataclass
@@ -102,6 +106,8 @@ class SandboxRun:
     isolation: dict[str, Any] = field(default_factory=dict)
     """What the sandbox achieved: mode (namespaces | process), network, filesystem, processes, uid, notes."""
     error: str | None = None
+    namespaces_broken: bool = False
+    """The sandbox created its namespaces but could not finish isolating itself (see NAMESPACES_BROKEN)."""
 
 
 def _interpreter_paths() -> list[str]:
@@ -125,7 +131,32 @@ def run_in_sandbox(
     if isolation not in ISOLATION_MODES:
         raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
     limits = limits or SandboxLimits()
-    root = tempfile.mkdtemp(prefix="miles-sandbox-")
+    if isolation == "auto" and NAMESPACES_BROKEN.is_set():
+        isolation = "process"
+    run = _run_once(cases, limits, isolation, site_packages)
+    if run.namespaces_broken and isolation == "auto":
+        NAMESPACES_BROKEN.set()
+        fallback = _run_once(cases, limits, "process", site_packages)
+        fallback.isolation.setdefault("notes", []).insert(0, run.error)
+        return fallback
+    return run
+
+
+def _reachable_temp_dir() -> str:
+    """A parent for sandbox directories that the sandbox uid can traverse to."""
+    default = tempfile.gettempdir()
+    path = "/"
+    for part in [p for p in default.split("/") if p]:
+        path = os.path.join(path, part)
+        if not os.stat(path).st_mode & 0o001:
+            return "/tmp" if os.path.isdir("/tmp") else default
+    return default
+
+
+def _run_once(
+    cases: list[ProgramCase], limits: SandboxLimits, isolation: str, site_packages: bool
+) -> SandboxRun:
+    root = tempfile.mkdtemp(prefix="miles-sandbox-", dir=_reachable_temp_dir())
     try:
         os.chmod(root, 0o711)  # the sandbox uid must be able to reach its working directory inside
         work_dir = os.path.join(root, "work")
@@ -192,6 +223,7 @@ def _parse_output(
             run.isolation = record["isolation"]
         elif "error" in record:
             run.error = record["error"]
+            run.namespaces_broken = bool(record.get("namespaces_broken"))
         elif "skipped" in record:
             run.cases[record["case"]] = CaseResult(error=record["skipped"])
         elif "case" in record:

@@ -257,12 +257,25 @@ def _make_tree_read_only(isolation: Isolation) -> None:
             isolation.notes.append(f"could not make {target} read-only: {e.strerror}")
 
 
+class SetupError(Exception):
+    """Isolation failed after the namespaces were created: this process is half set up and must not run cases."""
+
+
 def enter_namespaces(job: dict, isolation: Isolation) -> None:
-    """Raises OSError when the kernel or the container refuses (then the caller falls back or reports)."""
+    """Raises OSError when the kernel or the container refuses the namespaces (nothing changed yet: the caller may
+    fall back), SetupError when a later step fails."""
     uid, gid = os.getuid(), os.getgid()
     is_root = uid == 0
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     _unshare(flags if is_root else flags | CLONE_NEWUSER)
+    try:
+        _isolate_inside(job, isolation, uid, gid)
+    except OSError as e:
+        raise SetupError(str(e)) from e
+
+
+def _isolate_inside(job: dict, isolation: Isolation, uid: int, gid: int) -> None:
+    is_root = uid == 0
     if not is_root:
         for name, text in (
             ("setgroups", "deny"),
@@ -474,8 +487,105 @@ def _kill_rest(pid: int, isolation: Isolation) -> None:
             pass
 
 
+class _CaseWatch:
+    """The parent's side of one running case: feeds its stdin, captures its output (up to a cap), notices its exit
+    (through a pidfd when the kernel has them) and its deadline."""
+
+    def __init__(self, pid: int, stdin_w: int, stdout_r: int, stderr_r: int, stdin: bytes, cap: int) -> None:
+        self.pid, self.cap = pid, cap
+        self.stdin_w, self.stdin = stdin_w, memoryview(stdin)
+        self.captured = {stdout_r: bytearray(), stderr_r: bytearray()}
+        self.open_pipes = set(self.captured)
+        self.status: int | None = None
+        self.rusage = None
+        self.output_limit = False
+        self.poller = select.poll()
+        for fd in self.captured:
+            self.poller.register(fd, select.POLLIN)
+        os.set_blocking(stdin_w, False)
+        self.stdin_polled = bool(self.stdin)
+        if self.stdin_polled:
+            self.poller.register(stdin_w, select.POLLOUT)
+        else:
+            self._close_stdin()
+        try:
+            self.pidfd = os.pidfd_open(pid)
+            self.poller.register(self.pidfd, select.POLLIN)
+        except (AttributeError, OSError):
+            self.pidfd = -1
+
+    def _close_stdin(self) -> None:
+        if self.stdin_w >= 0:
+            if self.stdin_polled:
+                self.poller.unregister(self.stdin_w)
+                self.stdin_polled = False
+            os.close(self.stdin_w)
+            self.stdin_w = -1
+
+    def _reap_if_exited(self) -> None:
+        waited, status, usage = os.wait4(self.pid, os.WNOHANG)
+        if waited == self.pid:
+            self.status, self.rusage = status, usage
+
+    def _feed_stdin(self, event: int) -> None:
+        if not event & (select.POLLERR | select.POLLHUP):
+            try:
+                self.stdin = self.stdin[os.write(self.stdin_w, self.stdin[:65536]) :]
+                if self.stdin:
+                    return
+            except BlockingIOError:
+                return
+            except BrokenPipeError:  # the program stopped reading: fine
+                pass
+        self._close_stdin()
+
+    def _read(self, fd: int) -> None:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            self.poller.unregister(fd)
+            self.open_pipes.discard(fd)
+            return
+        self.captured[fd] += chunk
+        self.output_limit |= len(self.captured[fd]) > self.cap
+
+    def run(self, deadline: float) -> bool:
+        """Until the case exited and its pipes are drained; False when the deadline or the output cap hit first."""
+        while self.status is None or self.open_pipes:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.output_limit:
+                return self.status is not None and not self.output_limit
+            if self.status is not None or self.pidfd < 0:
+                # exited: drain what is buffered, never wait on a pipe a grandchild holds; no pidfd: poll for exit
+                remaining = min(remaining, 0.05)
+            events = self.poller.poll(remaining * 1000)
+            if not events and self.status is not None:
+                break
+            for fd, event in events:
+                if fd == self.pidfd:
+                    self.poller.unregister(fd)
+                    os.close(fd)
+                    self.pidfd = -1
+                    self._reap_if_exited()
+                elif fd == self.stdin_w:
+                    self._feed_stdin(event)
+                else:
+                    self._read(fd)
+            if self.pidfd < 0 and self.status is None:
+                self._reap_if_exited()
+        return not self.output_limit
+
+    def close(self) -> None:
+        self._close_stdin()
+        for fd in [*self.captured, self.pidfd]:
+            if fd >= 0:
+                os.close(fd)
+
+    def text(self, fd_index: int) -> str:
+        data = list(self.captured.values())[fd_index]
+        return bytes(data[: self.cap]).decode("utf-8", "replace")
+
+
 def run_case(job: dict, case: dict, index: int, isolation: Isolation, wall_time_s: float) -> dict:
-    limits = job["limits"]
     work_dir = _fresh_work_dir(job, isolation, index)
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -486,100 +596,31 @@ def run_case(job: dict, case: dict, index: int, isolation: Isolation, wall_time_
         _case_child(job, case, isolation, (in_r, out_w, err_w), work_dir)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
-    stdin_data = memoryview(case.get("stdin", "").encode())
-    captured = {out_r: bytearray(), err_r: bytearray()}
-    cap = limits["max_output_bytes"]
-    poller = select.poll()
-    for fd in captured:
-        poller.register(fd, select.POLLIN)
-    os.set_blocking(in_w, False)
-    if stdin_data:
-        poller.register(in_w, select.POLLOUT)
-    else:
-        os.close(in_w)
-        in_w = -1
-    try:
-        pidfd = os.pidfd_open(pid)
-        poller.register(pidfd, select.POLLIN)
-    except (AttributeError, OSError):
-        pidfd = -1
-    status: int | None = None
-    rusage = None
-    timed_out = output_limit = False
-    open_pipes = set(captured)
-
-    def reap_if_exited() -> None:
-        nonlocal status, rusage
-        waited, raw_status, usage = os.wait4(pid, os.WNOHANG)
-        if waited == pid:
-            status, rusage = raw_status, usage
-
-    while status is None or open_pipes:
-        remaining = start + wall_time_s - time.monotonic()
-        if remaining <= 0:
-            timed_out = status is None
-            break
-        if status is not None:
-            remaining = min(
-                remaining, 0.05
-            )  # exited: drain what is buffered, never wait on a grandchild's pipe
-        events = poller.poll(min(remaining, 0.05 if pidfd < 0 else remaining) * 1000)
-        if not events and status is not None:
-            break
-        for fd, event in events:
-            if fd == pidfd:
-                poller.unregister(pidfd)
-                os.close(pidfd)
-                pidfd = -1
-                reap_if_exited()
-            elif fd == in_w:
-                reader_gone = bool(event & (select.POLLERR | select.POLLHUP))
-                if not reader_gone:
-                    try:
-                        stdin_data = stdin_data[os.write(in_w, stdin_data[:65536]) :]
-                    except BlockingIOError:
-                        pass
-                    except BrokenPipeError:
-                        reader_gone = True
-                if reader_gone or not stdin_data:
-                    poller.unregister(in_w)
-                    os.close(in_w)
-                    in_w = -1
-            else:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    poller.unregister(fd)
-                    open_pipes.discard(fd)
-                    continue
-                captured[fd] += chunk
-                if len(captured[fd]) > cap:
-                    output_limit = True
-        if output_limit:
-            break
-        if pidfd < 0 and status is None:
-            reap_if_exited()
-    if status is None:
+    watch = _CaseWatch(
+        pid, in_w, out_r, err_r, case.get("stdin", "").encode(), job["limits"]["max_output_bytes"]
+    )
+    watch.run(start + wall_time_s)
+    timed_out = watch.status is None and not watch.output_limit
+    if watch.status is None:
         os.kill(pid, signal.SIGKILL)  # the case itself first, so its own status can still be collected
-        _, status, rusage = os.wait4(pid, 0)
+        _, watch.status, watch.rusage = os.wait4(pid, 0)
     _kill_rest(pid, isolation)
-    for fd in [*captured, in_w, pidfd]:
-        if fd >= 0:
-            os.close(fd)
+    watch.close()
     if isolation.mode == "namespaces":
         _umount(work_dir)
     else:
         shutil.rmtree(work_dir, ignore_errors=True)
-    code = os.waitstatus_to_exitcode(status)
+    code = os.waitstatus_to_exitcode(watch.status)
     return {
         "case": index,
         "exit_code": code if code >= 0 else None,
         "signal": -code if code < 0 else None,
         "timed_out": timed_out,
-        "output_limit_exceeded": output_limit,
-        "stdout": bytes(captured[out_r][:cap]).decode("utf-8", "replace"),
-        "stderr": bytes(captured[err_r][:cap]).decode("utf-8", "replace"),
+        "output_limit_exceeded": watch.output_limit,
+        "stdout": watch.text(0),
+        "stderr": watch.text(1),
         "seconds": round(time.monotonic() - start, 4),
-        "cpu_s": round(rusage.ru_utime + rusage.ru_stime, 4) if rusage else None,
+        "cpu_s": round(watch.rusage.ru_utime + watch.rusage.ru_stime, 4) if watch.rusage else None,
     }
 
 
@@ -613,6 +654,9 @@ def main() -> int:
     if job["mode"] in ("auto", "namespaces"):
         try:
             enter_namespaces(job, isolation)
+        except SetupError as e:
+            _emit({"error": f"namespace setup failed: {e}", "namespaces_broken": True})
+            return 3
         except OSError as e:
             if job["mode"] == "namespaces":
                 _emit({"error": f"namespace isolation was required but is unavailable: {e}"})

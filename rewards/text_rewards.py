@@ -7,7 +7,6 @@ import unicodedata
 from typing import Any
 
 from miles.rewards.math_grader import extract_answer
-
 from miles.sample import Sample
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from miles.rollout.forward_batch import ForwardBatch
-from miles.rollout.kv_pool import KVPool, RequestTable
 
 from miles.models.args import ModelArgs
+from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.kv_pool import KVPool, RequestTable
 
 _WORKSPACE_BYTES = 1024 * 1024 * 1024
 """flashinfer's split-KV scratch; graph decode at batch 1024 (32 heads x 128) needs ~335 MB."""

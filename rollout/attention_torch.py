@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from miles.rollout.forward_batch import ForwardBatch
-from miles.rollout.kv_pool import KVPool, RequestTable
 
 from miles.models.attention import sdpa
+from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.kv_pool import KVPool, RequestTable
 
 
 class TorchPagedAttention:

@@ -16,14 +16,14 @@ import time
 from typing import Any
 
 import torch
-from miles.rollout.engine import Engine
-from miles.rollout.kv_pool import KVLayout
-from miles.rollout.params import SamplingParams
 
 from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs
 from miles.models.checkpoint import from_pretrained, resolve_dtype
 from miles.models.layers import rope_inv_freq
+from miles.rollout.engine import Engine
+from miles.rollout.kv_pool import KVLayout
+from miles.rollout.params import SamplingParams
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -126,6 +126,45 @@ def decode_weight_bytes(args: ModelArgs, dtype: torch.dtype, batch: float) -> fl
     return total * elem
 
 
+def decode_flops_per_token(args: ModelArgs, context: float) -> float:
+    """Matmul FLOPs of one decode token: active weights (MoE: top-k experts) plus attention over the context."""
+    h = args.hidden_size
+    params = (
+        args.num_parameters() - args.vocab_size * h + (args.vocab_size * h if args.tie_word_embeddings else 0)
+    )
+    if args.num_experts:
+        per_expert = 3 * h * args.moe_intermediate_size
+        params -= len(args.moe_layer_ids) * per_expert * (args.num_experts - args.num_experts_per_tok)
+    attention = 4 * context * args.num_attention_heads * args.head_dim * args.num_hidden_layers
+    return 2 * params + attention
+
+
+def add_breakdown(engine: Engine, totals: dict[str, float]) -> None:
+    """Time the parts of each step (synchronising after the forward and the sampling to attribute GPU time)."""
+
+    def timed(obj: Any, name: str, key: str, sync: bool) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if sync:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            if sync:
+                torch.cuda.synchronize()
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+            return out
+
+        setattr(obj, name, wrapper)
+
+    sync = engine.device.type == "cuda"
+    timed(engine.scheduler, "schedule", "schedule", False)
+    timed(engine, "_build_batch", "build_batch", False)
+    timed(engine.runner, "forward", "forward", sync)
+    timed(engine, "_sample", "sample", sync)
+    timed(engine, "step", "step_total", False)
+
+
 def hf_sharing(model: CausalLM) -> Any:
     """A transformers model whose parameters are this model's tensors (no copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -173,6 +212,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--breakdown", action="store_true", help="time schedule / build / forward / sample per step"
+    )
+    p.add_argument("--peak-flops", type=float, default=790e12, help="matmul ceiling for the FLOP floor")
     return p.parse_args(argv)
 
 
@@ -217,6 +260,9 @@ def main(argv: list[str]) -> int:
     engine.generate(warm, params.with_(max_new_tokens=4, n=1))
     engine.flush_cache()
     engine.metrics(reset=True)
+    breakdown: dict[str, float] = {}
+    if a.breakdown:
+        add_breakdown(engine, breakdown)
     if on_gpu:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -263,13 +309,21 @@ def main(argv: list[str]) -> int:
             + stats.decode_kv_tokens * kv_bytes
         ) / bandwidth
         roofline = stats.decode_tokens / floor_s
+        context = stats.decode_kv_tokens / max(stats.decode_tokens, 1)
+        flop_s = stats.decode_tokens * decode_flops_per_token(args, context) / a.peak_flops
         result.update(
             copy_bandwidth_bytes_per_s=bandwidth,
             avg_decode_batch=avg_batch,
-            avg_decode_context=stats.decode_kv_tokens / max(stats.decode_tokens, 1),
+            avg_decode_context=context,
             roofline_output_tokens_per_s=roofline,
             decode_pct_of_roofline=100 * result["decode_tokens_per_s"] / roofline,
+            flop_floor_output_tokens_per_s=stats.decode_tokens / flop_s,
+            decode_pct_of_bytes_or_flops_floor=100
+            * result["decode_tokens_per_s"]
+            / (stats.decode_tokens / max(floor_s, flop_s)),
         )
+    if breakdown:
+        result["breakdown_s"] = breakdown
     if a.hf_baseline:
         engine.release_memory()
         result.update(run_hf_baseline(model, prompts, a, device))
@@ -342,6 +396,15 @@ def print_table(r: dict[str, Any]) -> None:
                 f"{r['roofline_output_tokens_per_s']:,.0f} ({r['decode_pct_of_roofline']:.0f}%)",
             )
         )
+    if "flop_floor_output_tokens_per_s" in r:
+        rows.append(
+            (
+                "decode FLOP floor tok/s (% of max floor)",
+                f"{r['flop_floor_output_tokens_per_s']:,.0f} ({r['decode_pct_of_bytes_or_flops_floor']:.0f}%)",
+            )
+        )
+    if "breakdown_s" in r:
+        rows.append(("step breakdown s", ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items())))
     if "hf_output_tokens_per_s" in r:
         rows.append(
             (

@@ -18,6 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from miles.config import RolloutConfig
+from miles.models.checkpoint import from_pretrained, hf_to_internal
+from miles.models.model import CausalLM
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
@@ -27,10 +31,6 @@ from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
 from miles.rollout.sampling import SamplingTensors, derive_seed, sample, uniforms
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
-
-from miles.config import RolloutConfig
-from miles.models.checkpoint import from_pretrained, hf_to_internal
-from miles.models.model import CausalLM
 from miles.sample import Sample, SampleStatus
 
 WeightsInput = (
@@ -430,19 +430,25 @@ class Engine:
         return finished
 
     def _build_batch(self, chunks: list[Chunk]) -> ForwardBatch:
-        ids: list[int] = []
-        sample_index: list[int] = []
-        for c in chunks:
-            ids.extend(c.req.tokens(c.start, c.start + c.length))
-            if c.samples:
-                sample_index.append(len(ids) - 1)
-        lens = np.array([c.length for c in chunks], dtype=np.int64)
-        starts = np.array([c.start for c in chunks], dtype=np.int64)
-        positions = (
-            np.repeat(starts, lens) + np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        )
-        out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
         dev = self.device
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        if all(c.length == 1 and c.samples for c in chunks):  # decode-shaped: one token each, all sample
+            ids = [c.req.tokens(c.start, c.start + 1)[0] for c in chunks]
+            lens = np.ones(len(chunks), dtype=np.int64)
+            positions = starts
+            sample_index = torch.arange(len(chunks), device=dev)
+        else:
+            ids = []
+            rows_with_logits: list[int] = []
+            for c in chunks:
+                ids.extend(c.req.tokens(c.start, c.start + c.length))
+                if c.samples:
+                    rows_with_logits.append(len(ids) - 1)
+            lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
+            offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            positions = np.repeat(starts, lens) + offsets
+            sample_index = torch.tensor(rows_with_logits, dtype=torch.long).to(dev, non_blocking=True)
+        out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
             positions=torch.from_numpy(positions).to(dev, non_blocking=True),
@@ -450,7 +456,7 @@ class Engine:
             rows=[c.req.row for c in chunks],
             q_lens=lens.tolist(),
             kv_lens=(starts + lens).tolist(),
-            sample_index=torch.tensor(sample_index, dtype=torch.long).to(dev, non_blocking=True),
+            sample_index=sample_index,
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:

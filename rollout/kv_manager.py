@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from miles.rollout.kv_pool import KVPool, RequestTable
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
@@ -59,19 +60,25 @@ class KVManager:
     def alloc_extend(self, chunks: list[tuple[Request, int]]) -> torch.Tensor:
         """Slots for the next `n` positions of each request (written into the table); returns them packed."""
         p = self.page_size
-        lens = np.array([n for _, n in chunks], dtype=np.int64)
-        starts = np.array([r.kv_len for r, _ in chunks], dtype=np.int64)
-        new_pages = np.array([self.pages_needed(r, n) for r, n in chunks], dtype=np.int64)
+        count = len(chunks)
+        lens = np.fromiter((n for _, n in chunks), dtype=np.int64, count=count)
+        starts = np.fromiter((r.kv_len for r, _ in chunks), dtype=np.int64, count=count)
+        rows = np.fromiter((r.row for r, _ in chunks), dtype=np.int64, count=count)
         device = self.table.table.device
-        pages = self.pool.alloc_pages(int(new_pages.sum()))
-        tok_row = np.repeat(np.array([r.row for r, _ in chunks], dtype=np.int64), lens)
-        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-        tok_pos = np.repeat(starts, lens) + offsets
+        total = int(lens.sum())
+        if total == count:  # one token each (decode): no per-token expansion
+            tok_row, tok_pos = rows, starts
+        else:
+            tok_row = np.repeat(rows, lens)
+            tok_pos = np.repeat(starts, lens) + np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
         rows_t = torch.from_numpy(tok_row).to(device, non_blocking=True)
         pos_t = torch.from_numpy(tok_pos).to(device, non_blocking=True)
         if p == 1:
-            slots = pages.long()
+            slots = self.pool.alloc_pages(total).long()
         else:
+            # Positions inside a page the request already holds continue it; the others open new pages.
+            new_pages = -(-(starts + lens) // p) - -(-starts // p)
+            pages = self.pool.alloc_pages(int(new_pages.sum()))
             page_in_req = tok_pos // p
             first_new = np.repeat(-(-starts // p), lens)
             is_new = page_in_req >= first_new

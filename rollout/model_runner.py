@@ -13,12 +13,12 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
-from miles.rollout.forward_batch import ForwardBatch
-from miles.rollout.kv_pool import KVPool, RequestTable
 
 from miles.models.model import CausalLM
 from miles.models.moe import Experts, RoutingTrace
+from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
+from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.kv_pool import KVPool, RequestTable
 
 
 class ModelRunner:

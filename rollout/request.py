@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import TreeNode
-
 from miles.sample import Sample, SampleStatus
 
 

@@ -142,9 +142,9 @@ def _inverse_cdf(logq: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(probs, dim=-1)
     target = uniform[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # Rounding can put the target at the very end; never land on a zero-probability token.
-    rank = torch.arange(probs.shape[-1], device=probs.device)
-    last_positive = torch.where(probs > 0, rank, -1).amax(dim=-1)
+    # Rounding can put the target at the very end; never land past the last token with probability > 0
+    # (the first index where the CDF reaches its total).
+    last_positive = (cdf < cdf[:, -1:]).sum(dim=-1)
     return torch.minimum(idx, last_positive)
 
 

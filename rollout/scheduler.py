@@ -65,7 +65,7 @@ class SchedulerConfig:
     """Defer a request when this many more of its tokens (or half its new tokens) are computed in-batch."""
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.002
+    new_token_ratio_decay: float = 0.001
 
 
 class Scheduler:

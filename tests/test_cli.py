@@ -13,9 +13,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def miles(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def miles(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "miles", *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+        [sys.executable, "-m", "miles", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
         env={**os.environ, **(env or {})},
     )
 
@@ -23,7 +29,8 @@ def miles(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None
 def test_component_imports() -> None:
     out = subprocess.run(
         [sys.executable, "-c", "import miles.rollout, miles.trainer, miles.weight_sync, miles.rewards"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr
 
@@ -79,16 +86,35 @@ def test_unknown_command() -> None:
 
 
 def test_missing_model_path_is_a_clean_error(tmp_path: Path) -> None:
-    out = miles("train", f"model.path={tmp_path / 'nothing'}", "logging.wandb=false", "logging.progress=false",
-                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    out = miles(
+        "train",
+        f"model.path={tmp_path / 'nothing'}",
+        "logging.wandb=false",
+        "logging.progress=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
     assert "config.json" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_wheel_ships_configs_recipes_and_assets(tmp_path: Path) -> None:
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stderr
     wheel = next(tmp_path.glob("miles-*.whl"))
@@ -102,7 +128,13 @@ def test_wheel_ships_configs_recipes_and_assets(tmp_path: Path) -> None:
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = {"PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-m", "miles", "train", "--cfg", "job"], capture_output=True, text=True,
-                         cwd=tmp_path, env={**os.environ, **env}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "train", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "builtin:tiny_moe_math" in out.stdout

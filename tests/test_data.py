@@ -44,10 +44,18 @@ def test_jsonl_and_verl_parquet(tmp_path: Path) -> None:
     import pandas as pd
 
     rows = [
-        {"prompt": [{"role": "user", "content": "What is 2+2?"}], "data_source": "openai/gsm8k",
-         "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"index": 0}},
-        {"prompt": [{"role": "user", "content": "What is 3+3?"}], "data_source": "openai/gsm8k",
-         "reward_model": {"style": "rule", "ground_truth": "6"}, "extra_info": {"index": 1}},
+        {
+            "prompt": [{"role": "user", "content": "What is 2+2?"}],
+            "data_source": "openai/gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": "4"},
+            "extra_info": {"index": 0},
+        },
+        {
+            "prompt": [{"role": "user", "content": "What is 3+3?"}],
+            "data_source": "openai/gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": "6"},
+            "extra_info": {"index": 1},
+        },
     ]
     parquet = tmp_path / "train.parquet"
     pd.DataFrame(rows).to_parquet(parquet)

@@ -30,20 +30,30 @@ def test_scores_in_input_order_with_a_summary(tmp_path: Path, capsys: pytest.Cap
         {"prompt": "3*3?", "response": "#### 6", "label": "9"},
         {"response": "#### 7", "reward_model": {"ground_truth": "7"}},
     ]
-    code, lines, _ = run_cli(["--fn", "math", write_jsonl(tmp_path / "s.jsonl", rows), "--num-workers", "0"], capsys)
+    code, lines, _ = run_cli(
+        ["--fn", "math", write_jsonl(tmp_path / "s.jsonl", rows), "--num-workers", "0"], capsys
+    )
     assert code == 0
     assert [line["score"] for line in lines[:-1]] == [1.0, 1.0, 0.0, 1.0]
     summary = lines[-1]["summary"]
     assert summary["samples"] == 4 and summary["reward/mean"] == 0.75 and summary["reward/errors"] == 0.0
 
 
-def test_failures_are_reported_per_line_and_exit_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_failures_are_reported_per_line_and_exit_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rows = [{"response": r, "label": "1"} for r in ("ok", "raise", "sleep", "nan")]
     path = write_jsonl(tmp_path / "s.jsonl", rows)
-    code, lines, err = run_cli(["--fn", f"{USER}:selective", path, "--timeout-s", "1", "--num-workers", "2"], capsys)
+    code, lines, err = run_cli(
+        ["--fn", f"{USER}:selective", path, "--timeout-s", "1", "--num-workers", "2"], capsys
+    )
     assert code == 0
     assert lines[0] == {"score": 1.0}
-    assert lines[1]["score"] == 0.0 and lines[1]["error"].startswith("ValueError") and lines[1]["error_kind"] == "exception"
+    assert (
+        lines[1]["score"] == 0.0
+        and lines[1]["error"].startswith("ValueError")
+        and lines[1]["error_kind"] == "exception"
+    )
     assert lines[2]["error_kind"] == "timeout" and lines[3]["error_kind"] == "nan"
     assert lines[4]["summary"]["reward/errors"] == 3.0 and lines[4]["summary"]["reward/timeouts"] == 1.0
     assert "Traceback" in err  # the first traceback of a kind goes to the log (stderr)
@@ -54,8 +64,9 @@ def test_kwargs_and_verl_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     path = write_jsonl(tmp_path / "s.jsonl", rows)
     code, lines, _ = run_cli(["--fn", f"{USER}:compute_score", path, "--num-workers", "0"], capsys)
     assert code == 0 and lines[0]["score"] == 2.25
-    code, lines, _ = run_cli(["--fn", "exact_match", path, "--kwargs", '{"case_sensitive": true}',
-                              "--num-workers", "0"], capsys)
+    code, lines, _ = run_cli(
+        ["--fn", "exact_match", path, "--kwargs", '{"case_sensitive": true}', "--num-workers", "0"], capsys
+    )
     assert code == 0 and lines[0] == {"score": 1.0, "prediction": "42"}
 
 
@@ -71,15 +82,16 @@ def test_kwargs_and_verl_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--fn", "math", "{noresponse}"], "line 1: no 'response' field"),
     ],
 )
-def test_bad_input_exits_2_with_a_clear_message(argv: list[str], message: str, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_exits_2_with_a_clear_message(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     files = {
         "samples": write_jsonl(tmp_path / "ok.jsonl", [{"response": "#### 1", "label": "1"}]),
         "broken": str(tmp_path / "broken.jsonl"),
         "noresponse": write_jsonl(tmp_path / "nr.jsonl", [{"label": "1"}]),
     }
     (tmp_path / "broken.jsonl").write_text('{"response": "1", "label": "1"}\n{not json\n')
-    code = cli.main([a.format(**files) for a in argv])
+    code = cli.main([files.get(a.strip("{}"), a) for a in argv])
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and "Traceback" not in err

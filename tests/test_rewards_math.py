@@ -90,10 +90,20 @@ def test_table_is_large_and_has_wrong_answers() -> None:
 
 
 # Numeric cases where math-verify alone (an independent implementation) must agree with our fast path.
-CROSS_CHECK = [("$\\boxed{12.50}$", "12.5"), ("$\\boxed{-8}$", "-8"), ("$\\boxed{-8}$", "8"), ("$\\boxed{0.5}$", "1/2"),
-               ("$\\boxed{1,234}$", "1234"), ("$\\boxed{10000}$", "10001"), ("$\\boxed{\\frac{3}{4}}$", "0.75"),
-               ("$\\boxed{7}$", "7.0"), ("$\\boxed{-0.25}$", "-1/4"), ("$\\boxed{1000001}$", "1000000"),
-               ("$\\boxed{0.666667}$", "\\frac{2}{3}"), ("$\\boxed{0.67}$", "\\frac{2}{3}")]
+CROSS_CHECK = [
+    ("$\\boxed{12.50}$", "12.5"),
+    ("$\\boxed{-8}$", "-8"),
+    ("$\\boxed{-8}$", "8"),
+    ("$\\boxed{0.5}$", "1/2"),
+    ("$\\boxed{1,234}$", "1234"),
+    ("$\\boxed{10000}$", "10001"),
+    ("$\\boxed{\\frac{3}{4}}$", "0.75"),
+    ("$\\boxed{7}$", "7.0"),
+    ("$\\boxed{-0.25}$", "-1/4"),
+    ("$\\boxed{1000001}$", "1000000"),
+    ("$\\boxed{0.666667}$", "\\frac{2}{3}"),
+    ("$\\boxed{0.67}$", "\\frac{2}{3}"),
+]
 
 
 @pytest.mark.parametrize(("response", "gold"), CROSS_CHECK)

@@ -67,7 +67,9 @@ def test_dict_return_extra_fields_are_logged() -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_verl_compute_score_adapter(num_workers: int) -> None:
     batch = [
-        Sample(response_text=" 42 ", label="42", metadata={"data_source": "gsm8k", "extra_info": {"bonus": 0.5}}),
+        Sample(
+            response_text=" 42 ", label="42", metadata={"data_source": "gsm8k", "extra_info": {"bonus": 0.5}}
+        ),
         Sample(response_text="41", label="42", metadata={"data_source": "other"}),
     ]
     with RewardRunner(RewardConfig(fn=f"{USER}:compute_score", num_workers=num_workers)) as runner:
@@ -86,7 +88,9 @@ def test_verl_batched_adapter_is_detected_from_the_signature() -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_class_reward_is_built_once_per_process_with_kwargs(num_workers: int) -> None:
     batch = samples_of("ab", "abcd", "a")
-    with RewardRunner(RewardConfig(fn=f"{USER}:ScaledLength", kwargs={"scale": 2.0}, num_workers=num_workers)) as r:
+    with RewardRunner(
+        RewardConfig(fn=f"{USER}:ScaledLength", kwargs={"scale": 2.0}, num_workers=num_workers)
+    ) as r:
         r.score(batch)
     assert [s.reward for s in batch] == [4.0, 8.0, 2.0]
     pids = {s.reward_info["pid"] for s in batch}

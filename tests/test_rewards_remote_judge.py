@@ -36,7 +36,9 @@ class RewardServer(ThreadingHTTPServer):
         self.bodies: list[dict] = []
 
     def handle_error(self, request: object, client_address: object) -> None:
-        if not isinstance(sys.exc_info()[1], BrokenPipeError | ConnectionResetError):  # the client gave up: fine
+        if not isinstance(
+            sys.exc_info()[1], BrokenPipeError | ConnectionResetError
+        ):  # the client gave up: fine
             super().handle_error(request, client_address)
 
     @property
@@ -110,8 +112,10 @@ def remote_cfg(server: RewardServer, client: str, **kwargs: object) -> RewardCon
 @pytest.mark.parametrize("client", ["httpx", "urllib"])
 def test_remote_scores_retries_and_fails_cleanly(server: RewardServer, client: str) -> None:
     actions = ["ok", "number", "flaky", "bad", "notjson", "stuck"]
-    batch = [Sample(prompt="q", response_text=a, label=f"{a}-{i}", metadata={"data_source": "ds", "k": i})
-             for i, a in enumerate(actions)]
+    batch = [
+        Sample(prompt="q", response_text=a, label=f"{a}-{i}", metadata={"data_source": "ds", "k": i})
+        for i, a in enumerate(actions)
+    ]
     with RewardRunner(remote_cfg(server, client, max_retries=2)) as runner:
         metrics = runner.score(batch)
     ok, number, flaky, bad, notjson, stuck = batch
@@ -151,8 +155,17 @@ def test_remote_rejects_a_bad_url() -> None:
 
 @pytest.mark.parametrize(
     ("text", "score"),
-    [("Score: 7", 7.0), ("score = 8.5 because", 8.5), ("**Score:** 6", 6.0), ("I'd give it 3/10", 3.0),
-     ("4 out of 5", 8.0), ("9", 9.0), ("Score: 2\nScore: 5", 5.0), ("no idea", None), ("", None)],
+    [
+        ("Score: 7", 7.0),
+        ("score = 8.5 because", 8.5),
+        ("**Score:** 6", 6.0),
+        ("I'd give it 3/10", 3.0),
+        ("4 out of 5", 8.0),
+        ("9", 9.0),
+        ("Score: 2\nScore: 5", 5.0),
+        ("no idea", None),
+        ("", None),
+    ],
 )
 def test_parse_judge_score(text: str, score: float | None) -> None:
     assert parse_judge_score(text, 10.0) == score
@@ -160,9 +173,13 @@ def test_parse_judge_score(text: str, score: float | None) -> None:
 
 def test_judge_with_the_policy_engine_in_process() -> None:
     engine = load_target(FAKE_ENGINE)()
-    batch = [Sample(prompt=[{"role": "user", "content": "Capital of France?"}], response_text=r, label="Paris")
-             for r in ("Paris", "London", "Lyon", "Berlin")]
-    with RewardRunner(RewardConfig(fn="judge", num_workers=2, kwargs={"max_new_tokens": 16}), engine=engine) as r:
+    batch = [
+        Sample(prompt=[{"role": "user", "content": "Capital of France?"}], response_text=r, label="Paris")
+        for r in ("Paris", "London", "Lyon", "Berlin")
+    ]
+    with RewardRunner(
+        RewardConfig(fn="judge", num_workers=2, kwargs={"max_new_tokens": 16}), engine=engine
+    ) as r:
         metrics = r.score(batch)
     assert [s.reward for s in batch] == [0.9, 0.3, 1.0, 0.0]
     assert batch[3].reward_info["judge_parse_error"] is True
@@ -174,8 +191,11 @@ def test_judge_with_the_policy_engine_in_process() -> None:
 
 
 def test_judge_builds_a_second_engine_from_a_model_path() -> None:
-    kwargs = {"model_path": "fake-judge", "engine_factory": f"{DATA / 'fake_judge.py'}:make_engine",
-              "rubric": "Q: {prompt}\nRef: {label}\nResponse to grade:\n{response}\nScore 0-{max_score}."}
+    kwargs = {
+        "model_path": "fake-judge",
+        "engine_factory": f"{DATA / 'fake_judge.py'}:make_engine",
+        "rubric": "Q: {prompt}\nRef: {label}\nResponse to grade:\n{response}\nScore 0-{max_score}.",
+    }
     batch = [Sample(prompt="Capital?", response_text="paris", label="Paris")]
     with RewardRunner(RewardConfig(fn="judge", kwargs=kwargs, num_workers=0)) as runner:
         runner.score(batch)
@@ -187,3 +207,47 @@ def test_judge_config_errors() -> None:
         RewardRunner(RewardConfig(fn="judge", num_workers=0))
     with pytest.raises(ValueError, match="must contain"):
         JudgeReward(engine=load_target(FAKE_ENGINE)(), rubric="no slot for the response")
+
+
+class CharTokenizer:
+    """Printable ASCII, one token per character: enough for the engine to take text prompts."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [min(max(ord(c) - 32, 0), 95) for c in text]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i + 32) for i in ids)
+
+
+def test_judge_through_the_real_engine() -> None:
+    torch = pytest.importorskip("torch")
+    from miles.config import RolloutConfig
+    from miles.models import CausalLM, ModelArgs
+    from miles.rollout import Engine
+
+    args = ModelArgs(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    model = CausalLM(args)
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    engine = Engine(model.eval(), CharTokenizer(), RolloutConfig(kv_cache_bytes=16 << 20))
+    rubric = "Ref: {label}\nAnswer: {response}\nScore 0-{max_score}:"
+    batch = [Sample(prompt="2+2?", response_text=r, label="4") for r in ("4", "5", "four")]
+    cfg = RewardConfig(fn="judge", num_workers=0, kwargs={"rubric": rubric, "max_new_tokens": 8})
+    with RewardRunner(cfg, engine=engine) as runner:
+        metrics = runner.score(batch)
+    assert metrics["reward/errors"] == 0.0
+    for sample in batch:  # a random model's reply: whatever it says, it is parsed or reported, never an error
+        assert 0.0 <= sample.reward <= 1.0
+        assert len(sample.reward_info["judge_reply"]) <= 8
+        assert ("judge_raw_score" in sample.reward_info) != sample.reward_info.get("judge_parse_error", False)

@@ -28,13 +28,38 @@ def kinds(batch: list[Sample]) -> list[str | None]:
 
 
 def test_hostile_rewards_in_worker_processes(caplog: pytest.LogCaptureFixture) -> None:
-    responses = ["ok", "raise", "nan", "sleep", "ok", "inf", "string", "nodict", "exit", "raise", "sleep", "ok"]
+    responses = [
+        "ok",
+        "raise",
+        "nan",
+        "sleep",
+        "ok",
+        "inf",
+        "string",
+        "nodict",
+        "exit",
+        "raise",
+        "sleep",
+        "ok",
+    ]
     batch = batch_of(*responses)
     cfg = RewardConfig(fn=f"{USER}:selective", timeout_s=1.5, num_workers=2)
     with caplog.at_level(logging.WARNING, logger="miles.rewards"), RewardRunner(cfg) as runner:
         metrics = runner.score(batch)
-        assert kinds(batch) == [None, "exception", "nan", "timeout", None, "nan", "bad_return", "bad_return",
-                                "crash", "exception", "timeout", None]
+        assert kinds(batch) == [
+            None,
+            "exception",
+            "nan",
+            "timeout",
+            None,
+            "nan",
+            "bad_return",
+            "bad_return",
+            "crash",
+            "exception",
+            "timeout",
+            None,
+        ]
         assert [s.reward for s in batch] == [1.0, 0, 0, 0, 1.0, 0, 0, 0, 0, 0, 0, 1.0]
         assert metrics["reward/errors"] == 9.0
         assert metrics["reward/timeouts"] == 2.0
@@ -44,7 +69,9 @@ def test_hostile_rewards_in_worker_processes(caplog: pytest.LogCaptureFixture) -
         assert "return a float or a dict" in batch[6].reward_info["error"]
         assert "'score'" in batch[7].reward_info["error"]
 
-        again = batch_of("ok", "ok", "raise", "ok")  # the pool recovered; known failure kinds are not re-logged
+        again = batch_of(
+            "ok", "ok", "raise", "ok"
+        )  # the pool recovered; known failure kinds are not re-logged
         metrics = runner.score(again)
         assert [s.reward for s in again] == [1.0, 1.0, 0.0, 1.0]
         assert metrics["reward/errors"] == 1.0 and metrics["reward/timeouts"] == 0.0
@@ -118,5 +145,9 @@ def test_close_cancels_calls_in_flight_and_stops_workers() -> None:
 
 def test_empty_batch() -> None:
     with RewardRunner(RewardConfig(fn="math", num_workers=0)) as runner:
-        assert runner.score([]) == {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 0.0,
-                                    "reward/timeouts": 0.0}
+        assert runner.score([]) == {
+            "reward/mean": 0.0,
+            "reward/std": 0.0,
+            "reward/errors": 0.0,
+            "reward/timeouts": 0.0,
+        }

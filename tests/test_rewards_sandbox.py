@@ -9,12 +9,21 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from miles.config import RewardConfig
-from miles.rewards import ProgramCase, RewardRunner, SandboxLimits, code_reward, extract_program, run_in_sandbox
+from miles.rewards import (
+    ProgramCase,
+    RewardRunner,
+    SandboxLimits,
+    code_reward,
+    extract_program,
+    run_in_sandbox,
+    sandbox,
+)
 from miles.rewards.code_reward import outputs_match
 from miles.rewards.sandbox import BOOT_SCRIPT, sandbox_isolation
 from miles.sample import Sample
@@ -64,17 +73,23 @@ def listener() -> socket.socket:
 def secret_holder() -> tuple[str, subprocess.Popen]:
     """A host process whose environment holds a secret the sandbox must not be able to read."""
     secret = f"s3cret-{secrets.token_hex(6)}"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                              env={**os.environ, "MILES_TEST_SECRET": secret})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        env={**os.environ, "MILES_TEST_SECRET": secret},
+    )
     yield secret, holder
     holder.kill()
     holder.wait()
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_hostile_programs_are_contained(mode: str, tmp_path: Path, listener: socket.socket,
-                                        secret_holder: tuple[str, subprocess.Popen],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hostile_programs_are_contained(
+    mode: str,
+    tmp_path: Path,
+    listener: socket.socket,
+    secret_holder: tuple[str, subprocess.Popen],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     secret, holder = secret_holder
     monkeypatch.setenv("MILES_TEST_SECRET", secret)  # in the host's own environment too
     escape_targets = [f"/tmp/miles-escape-{secrets.token_hex(4)}", str(tmp_path / "escaped.txt")]
@@ -85,6 +100,12 @@ def test_hostile_programs_are_contained(mode: str, tmp_path: Path, listener: soc
         "allocate_10gb": "block = b'x' * (10 * 1024 ** 3)\nprint(len(block))",
         "write_world_writable_tmp": f"open({escape_targets[0]!r}, 'w').write('escaped')",
         "write_host_dir": f"open({escape_targets[1]!r}, 'w').write('escaped')",
+        "remount_writable": (  # needs CAP_SYS_ADMIN, which no case has; then retries the write
+            "import ctypes\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "assert libc.mount(None, b'/', None, 0x20 | 0x1000, None) == 0, 'remount refused'\n"
+            f"open({escape_targets[0]!r}, 'w').write('escaped')"
+        ),
         "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')",
         "read_secrets": (
             "import os\n"
@@ -129,19 +150,25 @@ def test_well_behaved_programs_run(mode: str) -> None:
     big_input = "".join(f"{i}\n" for i in range(200_000))
     cases = [
         ProgramCase("import sys\nprint(sum(int(x) for x in sys.stdin))", big_input),
-        ProgramCase("open('scratch.txt', 'w').write('hi')\nprint(open('scratch.txt').read(), sorted(__import__('os').environ))"),
+        ProgramCase(
+            "open('scratch.txt', 'w').write('hi')\nprint(open('scratch.txt').read(), sorted(__import__('os').environ))"
+        ),
         ProgramCase("import os\nprint(os.listdir('.'))"),  # a fresh working directory per case
         ProgramCase("import sys\nsys.exit(3)"),
         ProgramCase("print('x' * 100, end='')\nprint('y' * 2_000_000)"),
+        ProgramCase(
+            "print(input())", "first line\n" + "z" * 3_000_000
+        ),  # unread stdin beyond the pipe buffer
     ]
     run = run_in_sandbox(cases, SandboxLimits(max_output_bytes=1 << 20), isolation=mode)
-    first, scratch, listing, exit3, chatty = run.cases
+    first, scratch, listing, exit3, chatty, unread = run.cases
     assert first.ok and first.stdout == f"{sum(range(200_000))}\n"
     assert scratch.ok and scratch.stdout.startswith("hi ['HOME', 'LANG'")
     assert "MILES" not in scratch.stdout
     assert listing.ok and listing.stdout.strip() in ("['main.py']", "[]")
     assert exit3.exit_code == 3 and not exit3.ok
     assert chatty.output_limit_exceeded and not chatty.ok
+    assert unread.ok and unread.stdout == "first line\n"
 
 
 def test_namespace_isolation_report() -> None:
@@ -150,6 +177,31 @@ def test_namespace_isolation_report() -> None:
         pytest.skip(f"namespaces are not available here: {report['error']}")
     assert report["mode"] == "namespaces"
     assert report["network"].startswith("netns")
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0, reason="the failure is staged in the root-only interpreter exposure step"
+)
+def test_a_failure_after_unshare_falls_back_to_process_isolation(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if "error" in sandbox_isolation("namespaces"):
+        pytest.skip("namespaces are not available here")
+    closed = Path(
+        tempfile.mkdtemp(prefix="miles-closed-", dir="/tmp")
+    )  # mode 700: the sandbox uid cannot read it
+    original = sandbox._interpreter_paths
+    monkeypatch.setattr(sandbox, "_interpreter_paths", lambda: [*original(), str(closed)])
+    try:
+        run = run_in_sandbox([ProgramCase("print(6 * 7)")], LIMITS)
+        assert run.cases[0].ok and run.cases[0].stdout == "42\n"
+        assert run.isolation["mode"] == "process"
+        assert run.isolation["notes"][0].startswith("namespace setup failed")
+        assert sandbox.NAMESPACES_BROKEN.is_set()
+        assert run_in_sandbox([ProgramCase("print(1)")], LIMITS).isolation["mode"] == "process"  # remembered
+    finally:
+        sandbox.NAMESPACES_BROKEN.clear()
+        closed.rmdir()
 
 
 def test_total_time_budget_skips_remaining_cases() -> None:
@@ -166,11 +218,18 @@ STDIN_LABEL = {"inputs": ["1 2\n", "10 20\n", "3 4\n"], "outputs": ["3\n", "30\n
     ("response", "label", "score"),
     [
         ("```python\na, b = map(int, input().split())\nprint(a + b)\n```", STDIN_LABEL, 1.0),
-        ("Sure:\n```py\na, b = map(int, input().split())\nprint(a + b if a < 10 else 0)\n```", STDIN_LABEL, 2 / 3),
+        (
+            "Sure:\n```py\na, b = map(int, input().split())\nprint(a + b if a < 10 else 0)\n```",
+            STDIN_LABEL,
+            2 / 3,
+        ),
         ("a, b = map(int, input().split())\nprint(a * b)", json.dumps(STDIN_LABEL), 0.0),
         ("```python\nwhile True: pass\n```", STDIN_LABEL, 0.0),
-        ("```python\ndef sq(x):\n    return x * x\n```", {"asserts": ["assert sq(2) == 4", "assert sq(3) == 9",
-                                                                    "assert sq(-1) == 2"]}, 2 / 3),
+        (
+            "```python\ndef sq(x):\n    return x * x\n```",
+            {"asserts": ["assert sq(2) == 4", "assert sq(3) == 9", "assert sq(-1) == 2"]},
+            2 / 3,
+        ),
         ("```python\nimport os\nos._exit(0)\n```", {"asserts": ["assert sq(2) == 4"]}, 0.0),
         ("```python\nimport sys\nsys.exit(0)\n```", {"test_list": ["assert sq(2) == 4"]}, 0.0),
         ("```python\nprint(float(input()) / 3)\n```", {"inputs": ["1"], "outputs": ["0.3333333333"]}, 1.0),
@@ -184,7 +243,9 @@ def test_code_reward(response: str, label: object, score: float) -> None:
 
 def test_code_reward_through_the_runner() -> None:
     batch = [
-        Sample(response_text="```python\nprint(int(input()) * 2)\n```", label={"inputs": ["4"], "outputs": ["8"]}),
+        Sample(
+            response_text="```python\nprint(int(input()) * 2)\n```", label={"inputs": ["4"], "outputs": ["8"]}
+        ),
         Sample(response_text="```python\nprint(1)\n```", label={"inputs": ["4"], "outputs": ["8"]}),
         Sample(response_text="```python\nprint(1)\n```", label={"fn_name": "f", "inputs": [], "outputs": []}),
     ]

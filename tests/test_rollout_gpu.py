@@ -10,19 +10,20 @@ import copy
 
 import pytest
 import torch
-from miles.rollout import Engine, SamplingParams
 
 from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs
 from miles.models.moe import Experts
+from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)] + [[7] * 70]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
-NEAR_TIE = 0.125
-"""Max logit gap (bf16, logits of order 1) between two picks that may legitimately differ."""
+NEAR_TIE = 0.25
+"""Max logit gap (bf16 logits of order 1-10; MoE routing can flip on a rounding) between two picks that may
+legitimately differ."""
 
 
 def gpu_model(moe: bool, seed: int = 0) -> CausalLM:

@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 import torch
+
+from miles.config import AlgorithmConfig
+from miles.sample import Sample
 from miles.trainer.algorithms import compute_advantages, get_advantage, get_policy_loss, register_advantage
 from miles.trainer.kl import kl_estimate
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
 from miles.trainer.torch_trainer import _mismatch_metrics, _tis_weights
-
-from miles.config import AlgorithmConfig
-from miles.sample import Sample
 
 
 def scored(rewards_by_group: list[list[float]]) -> list[Sample]:

@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from miles.trainer import TorchTrainer
-from miles.trainer.kl import kl_estimate
-from miles.trainer.logprobs import packed_logprobs
-from miles.trainer.optim import lr_multiplier
-from miles.trainer.packing import fed_length, pack
 from safetensors.torch import load_file, save_file
 
 from miles.config import AlgorithmConfig, OptimConfig, TrainerConfig
 from miles.models import CausalLM, ModelArgs, RoutingTrace, VarlenAttention
 from miles.sample import Sample
+from miles.trainer import TorchTrainer
+from miles.trainer.kl import kl_estimate
+from miles.trainer.logprobs import packed_logprobs
+from miles.trainer.optim import lr_multiplier
+from miles.trainer.packing import fed_length, pack
 
 VOCAB = 32
 

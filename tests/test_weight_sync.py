@@ -8,9 +8,21 @@ from miles.weight_sync import InProcessWeightSync, compare, fingerprints, iter_b
 
 def tiny_model(seed: int = 0) -> CausalLM:
     torch.manual_seed(seed)
-    model = CausalLM(ModelArgs(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=32,
-                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
+    model = CausalLM(
+        ModelArgs(
+            model_type="qwen3_moe",
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+        )
+    )
     model.init_weights()
     return model
 
@@ -31,7 +43,9 @@ def test_compare_names_the_corrupted_tensor() -> None:
     expected = fingerprints(model.named_parameters())
     with torch.no_grad():
         model.model.layers[1].mlp.experts.down_proj[2, 3, 4] += 1e-3
-    assert compare(expected, fingerprints(model.named_parameters())) == ["model.layers.1.mlp.experts.down_proj"]
+    assert compare(expected, fingerprints(model.named_parameters())) == [
+        "model.layers.1.mlp.experts.down_proj"
+    ]
 
 
 class CopyingEngine:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from miles.trainer.registry import register_advantage
 
 from miles.config import AlgorithmConfig
 from miles.sample import Sample
+from miles.trainer.registry import register_advantage
 
 STD_EPS = 1e-6
 """Added to the group std before dividing, so a group with tiny spread does not explode."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from miles.config import AlgorithmConfig
+from miles.sample import Sample
 from miles.trainer import advantages as _advantages  # noqa: F401  (registers the built-in estimators)
 from miles.trainer import losses as _losses  # noqa: F401  (registers the built-in losses)
 from miles.trainer.advantages import group_indices
@@ -24,9 +26,6 @@ from miles.trainer.registry import (
     register_advantage,
     register_policy_loss,
 )
-
-from miles.config import AlgorithmConfig
-from miles.sample import Sample
 
 AdvantageFn = Callable[[list[Sample], AlgorithmConfig], "list[float]"]
 PolicyLossFn = Callable[[PolicyLossInput, AlgorithmConfig], PolicyLossOutput]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from miles.trainer.packing import MicroBatch
 
 from miles.models import CausalLM, RoutingTrace, VarlenAttention
+from miles.trainer.packing import MicroBatch
 
 PRECISIONS = ("fp32", "bf16")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from miles.trainer.registry import register_policy_loss
 
 from miles.config import AlgorithmConfig
+from miles.trainer.registry import register_policy_loss
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from miles.config import AlgorithmConfig, TrainerConfig
+from miles.models import CausalLM
+from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
 from miles.trainer.logprobs import autocast, packed_logprobs
@@ -27,10 +31,6 @@ from miles.trainer.losses import LossNormalizer, PolicyLossInput
 from miles.trainer.mfu import device_peak_flops, forward_flops
 from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
 from miles.trainer.packing import MicroBatch, fed_length, pack, response_loss_mask, validate_sample
-
-from miles.config import AlgorithmConfig, TrainerConfig
-from miles.models import CausalLM
-from miles.sample import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,9 @@ def tensor_fingerprint(tensor: torch.Tensor) -> int:
     return int((bits * weights).sum().item())
 
 
-def fingerprints(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> dict[str, int]:
+def fingerprints(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> dict[str, int]:
     return {name: tensor_fingerprint(t if dtype is None else t.to(dtype)) for name, t in named}
 
 

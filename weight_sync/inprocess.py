@@ -25,11 +25,17 @@ class SyncResult:
     mismatched: list[str]
 
     def metrics(self) -> dict[str, float]:
-        return {"sync/seconds": self.seconds, "sync/bytes": float(self.bytes),
-                "sync/checksum_ok": float(self.checksum_ok), "sync/version": float(self.version)}
+        return {
+            "sync/seconds": self.seconds,
+            "sync/bytes": float(self.bytes),
+            "sync/checksum_ok": float(self.checksum_ok),
+            "sync/version": float(self.version),
+        }
 
 
-def iter_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:
@@ -44,8 +50,13 @@ def iter_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> It
 
 
 class InProcessWeightSync:
-    def __init__(self, trainer_model: torch.nn.Module, engine: object, bucket_bytes: int = 256 * 1024 * 1024,
-                 verify: bool = True) -> None:
+    def __init__(
+        self,
+        trainer_model: torch.nn.Module,
+        engine: object,
+        bucket_bytes: int = 256 * 1024 * 1024,
+        verify: bool = True,
+    ) -> None:
         self.trainer_model, self.engine = trainer_model, engine
         self.bucket_bytes, self.verify = bucket_bytes, verify
 

@@ -7,6 +7,12 @@ from miles.models.model import CausalLM, ForwardOutput
 from miles.models.moe import RoutingTrace
 
 __all__ = [
-    "AttentionContext", "CausalLM", "ForwardOutput", "ModelArgs", "RoutingTrace", "VarlenAttention",
-    "from_pretrained", "save_pretrained",
+    "AttentionContext",
+    "CausalLM",
+    "ForwardOutput",
+    "ModelArgs",
+    "RoutingTrace",
+    "VarlenAttention",
+    "from_pretrained",
+    "save_pretrained",
 ]

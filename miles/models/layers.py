@@ -72,7 +72,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
         )
         bias = args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -86,7 +88,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionContext
+    ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)

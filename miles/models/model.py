@@ -25,12 +25,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.is_moe = moe_index is not None
         self.mlp: nn.Module = (
-            SparseMoeBlock(args, moe_index) if moe_index is not None
+            SparseMoeBlock(args, moe_index)
+            if moe_index is not None
             else MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionContext,
-                routing: RoutingTrace | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionContext,
+        routing: RoutingTrace | None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, routing) if self.is_moe else self.mlp(h))
@@ -42,7 +48,8 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         moe_ids = args.moe_layer_ids
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, moe_ids.index(i) if i in moe_ids else None) for i in range(args.num_hidden_layers)
+            DecoderLayer(args, i, moe_ids.index(i) if i in moe_ids else None)
+            for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args)

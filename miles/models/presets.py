@@ -120,7 +120,11 @@ REAL: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS: tuple[str, ...] = ("tiny", *REAL)
-_QWEN3_GENERATION: dict[str, Any] = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
+_QWEN3_GENERATION: dict[str, Any] = {
+    "bos_token_id": 151643,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+}
 REAL_GENERATION: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": _QWEN3_GENERATION,
     "qwen3-8b": _QWEN3_GENERATION,

@@ -51,7 +51,9 @@ def char_tokenizer() -> Any:
     # Every character is its own pre-token; `[\s\S]` also matches newline, which `.` would not.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()  # join characters back without separators
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    backend.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD,

@@ -32,11 +32,17 @@ def dict_reward(sample: Sample) -> dict:
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):  # verl's signature, unannotated
     bonus = (extra_info or {}).get("bonus", 0.0)
-    return (1.0 if solution_str.strip() == ground_truth else 0.0) + bonus + (0.25 if data_source == "gsm8k" else 0.0)
+    return (
+        (1.0 if solution_str.strip() == ground_truth else 0.0)
+        + bonus
+        + (0.25 if data_source == "gsm8k" else 0.0)
+    )
 
 
 def compute_score_batched(data_sources, solution_strs, ground_truths, extra_infos):
-    return [{"score": float(s == g), "source": d} for d, s, g in zip(data_sources, solution_strs, ground_truths)]
+    return [
+        {"score": float(s == g), "source": d} for d, s, g in zip(data_sources, solution_strs, ground_truths)
+    ]
 
 
 class ScaledLength:

@@ -1,0 +1,163 @@
+"""Checkpoint IO: sharded safetensors + index, atomic writes, pickle refusal, random init on a device."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import miles.models.checkpoint as checkpoint
+from miles.models import CausalLM, from_pretrained, save_pretrained
+from miles.models.presets import build_random_model, preset_args
+
+
+def tiny(arch: str = "qwen3_moe", seed: int = 0, dtype: str = "float32") -> CausalLM:
+    return build_random_model(preset_args(arch, "tiny"), dtype=dtype, seed=seed, std=0.2)
+
+
+def state_equal(a: CausalLM, b: CausalLM) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def ids_for(model: CausalLM) -> torch.Tensor:
+    return torch.randint(0, model.args.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def test_sharded_save_index_round_trip(tmp_path: Path) -> None:
+    model = tiny()
+    folder = save_pretrained(model, tmp_path / "ckpt", max_shard_bytes=60_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) > 2 and not (folder / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == [s.name for s in shards]
+    stored: dict[str, str] = {}
+    total = 0
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                stored[key] = shard.name
+                tensor = f.get_tensor(key)
+                total += tensor.numel() * tensor.element_size()
+    assert stored == index["weight_map"]
+    assert index["metadata"]["total_size"] == total
+    # On disk: Hugging Face's per-expert names, not our stacked ones.
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in stored
+    assert not any(key.endswith("gate_up_proj") for key in stored)
+    loaded = from_pretrained(folder)
+    assert state_equal(loaded, model)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = ids_for(model)
+    expected = hf(ids).logits
+    assert float((model(ids) - expected).abs().max() / expected.abs().max()) <= 1e-5
+
+
+def _fail_on_second_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save_file = checkpoint.save_file
+    calls = {"n": 0}
+
+    def flaky_save_file(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full (simulated)")
+        return real_save_file(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", flaky_save_file)
+
+
+def test_failed_save_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_on_second_shard(monkeypatch)
+    with pytest.raises(OSError, match="simulated"):
+        save_pretrained(tiny(), tmp_path / "ckpt", max_shard_bytes=60_000)
+    assert list(tmp_path.iterdir()) == []  # neither the final name nor a temporary folder
+
+
+def test_existing_checkpoint_replaced_only_when_new_one_is_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old, new = tiny(seed=1), tiny(seed=2)
+    target = save_pretrained(old, tmp_path / "ckpt", max_shard_bytes=60_000)
+    with monkeypatch.context() as patch:
+        _fail_on_second_shard(patch)
+        with pytest.raises(OSError, match="simulated"):
+            save_pretrained(new, target, max_shard_bytes=60_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert state_equal(from_pretrained(target), old)
+    save_pretrained(new, target)  # now unsharded: stale shards of the old one must not linger
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert state_equal(from_pretrained(target), new)
+
+
+def test_pickle_only_folder_gives_clear_error(tmp_path: Path) -> None:
+    model = tiny("qwen3")
+    folder = save_pretrained(model, tmp_path / "ckpt")
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"pickle.*safetensors only"):
+        from_pretrained(folder)
+    (folder / "pytorch_model.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        from_pretrained(folder)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_pretrained(tmp_path / "nowhere")
+
+
+def test_tied_checkpoint_has_no_lm_head_and_stays_tied(tmp_path: Path) -> None:
+    args = preset_args("qwen3", "tiny")
+    args.tie_word_embeddings = True
+    model = build_random_model(args, seed=3)
+    folder = save_pretrained(model, tmp_path / "ckpt")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    loaded = from_pretrained(folder)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert state_equal(loaded, model)
+
+
+def test_build_random_model_on_device_dtype_and_seed() -> None:
+    args = preset_args("qwen3_moe", "tiny")
+    a = build_random_model(args, dtype="bfloat16", device="cpu", seed=7)
+    b = build_random_model(args, dtype=torch.bfloat16, device=torch.device("cpu"), seed=7)
+    c = build_random_model(args, dtype="bfloat16", seed=8)
+    assert all(p.dtype == torch.bfloat16 for p in a.parameters())
+    assert a.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE stays float32, as in transformers
+    assert state_equal(a, b) and not state_equal(a, c)
+    for name, param in a.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.all(param == 1), name
+        else:
+            assert 0.01 < float(param.detach().float().std()) < 0.03, name  # normal(0, 0.02)
+    with torch.no_grad():
+        assert torch.isfinite(a(ids_for(a)).float()).all()
+
+
+def test_checkpoint_permissions_follow_umask(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        folder = save_pretrained(tiny("qwen3"), tmp_path / "ckpt")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {0o644}
+
+
+def test_unsupported_config_fields_are_refused(tmp_path: Path) -> None:
+    folder = save_pretrained(tiny("qwen3"), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    for field, value, message in [
+        ("use_sliding_window", True, "use_sliding_window"),
+        ("hidden_act", "gelu", "hidden_act 'gelu'"),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "'yarn' is not supported"),
+        ("model_type", "gpt2", "model_type 'gpt2' is not supported"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(folder)
