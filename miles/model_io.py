@@ -7,7 +7,6 @@ weights + the character tokenizer, in memory); `smollm2:135m-instruct` (converte
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -47,12 +46,9 @@ def builtin_dir(name: str) -> Path:
 
 
 def smollm2_dir() -> Path:
-    cache = Path(os.environ.get("MILES_CACHE", Path.home() / ".cache" / "miles")) / "smollm2-135m-instruct"
-    if not (cache / "config.json").exists():
-        from miles.models.convert import convert_smollm2
+    from miles.models.convert import ensure_smollm2
 
-        convert_smollm2(cache)
-    return cache
+    return ensure_smollm2()
 
 
 def resolve_path(path: str) -> Path | None:
@@ -88,6 +84,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: in
             raise MilesUserError(f"model.path={path}: use init:ARCH:PRESET, e.g. init:qwen3_moe:tiny")
         tokenizer = char_tokenizer()
         args = preset_args(parts[1], parts[2], vocab_size=len(tokenizer))
+        args.eos_token_id, args.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         model = build_random_model(args, dtype=dtype, device=dev, seed=seed)
         return LoadedModel(model, tokenizer, "")
     model = from_pretrained(folder, dtype=dtype, device=dev)

@@ -130,7 +130,8 @@ class Tracker:
         ax.set_xlabel("step")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        if steps or evals:
+            ax.legend(loc="lower right")
         fig.tight_layout()
         tmp = self.run_dir / "plots" / ".reward.png.tmp"
         fig.savefig(tmp, format="png", dpi=100)

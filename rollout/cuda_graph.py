@@ -76,9 +76,8 @@ class CudaGraphRunner:
         self.slots = torch.zeros(n, dtype=torch.long, device=device)
         self.indptr_buf = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.last_buf = torch.zeros(n, dtype=torch.int32, device=device)
-        self.indices_buf = torch.zeros(
-            min(n * pages_per_seq, pool.num_pages + n), dtype=torch.int32, device=device
-        )
+        # Sequences can share pages (radix cache): a batch's page list is bounded per sequence only.
+        self.indices_buf = torch.zeros(n * pages_per_seq, dtype=torch.int32, device=device)
         mempool = torch.cuda.graph_pool_handle()
         for bs in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its memory
             wrapper = backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)

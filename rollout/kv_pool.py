@@ -106,19 +106,19 @@ class KVPool:
         return self.v_cache[layer]  # type: ignore[index]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        lay = self.layout
-        flat = (self.num_slots, lay.num_kv_heads, lay.head_dim)
-        self.k_cache[layer].view(flat).index_copy_(0, slots, k.to(lay.dtype))  # type: ignore[index]
-        self.v_cache[layer].view(flat).index_copy_(0, slots, v.to(lay.dtype))  # type: ignore[index]
+        rows = (self.num_slots, self.layout.num_kv_heads * self.layout.head_dim)
+        dtype = self.layout.dtype
+        self.k_cache[layer].view(rows).index_copy_(0, slots, k.reshape(len(slots), -1).to(dtype))  # type: ignore[index]
+        self.v_cache[layer].view(rows).index_copy_(0, slots, v.reshape(len(slots), -1).to(dtype))  # type: ignore[index]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v at `slots` (any shape S) -> [*S, num_kv_heads, head_dim]."""
         lay = self.layout
-        flat = (self.num_slots, lay.num_kv_heads, lay.head_dim)
+        rows = (self.num_slots, lay.num_kv_heads * lay.head_dim)
         shape = (*slots.shape, lay.num_kv_heads, lay.head_dim)
-        # index_select is several times faster than advanced indexing on CPU
-        k = self.k_cache[layer].view(flat).index_select(0, slots.reshape(-1))  # type: ignore[index]
-        v = self.v_cache[layer].view(flat).index_select(0, slots.reshape(-1))  # type: ignore[index]
+        # index_select over 2-D rows: several times faster on CPU than advanced indexing or 3-D rows
+        k = self.k_cache[layer].view(rows).index_select(0, slots.reshape(-1))  # type: ignore[index]
+        v = self.v_cache[layer].view(rows).index_select(0, slots.reshape(-1))  # type: ignore[index]
         return k.view(shape), v.view(shape)
 
     # page allocator ----------------------------------------------------------------------------

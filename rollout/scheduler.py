@@ -189,13 +189,16 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int, in_batch: list[Request]) -> None:
         if not self.waiting or budget <= 0:
             return
+        reserved = self._reserved_tokens()
+        busy = bool(self.running or plan.chunks)
+        if busy and self.kv.available_tokens() - reserved - self._planned < self.kv.page_size:
+            return  # the pool is spoken for: skip the (per-request) prefix matching below
         candidates = list(self.waiting)
         lengths: dict[int, int] = {}
         if self.kv.tree is not None and self.cfg.cache_aware and len(candidates) <= self.cfg.lpm_max_queue:
             lengths = {r.rid: self.kv.match_length(r) for r in candidates}
             candidates.sort(key=lambda r: -lengths[r.rid])  # stable: FCFS among equals
         admitted: list[Request] = []
-        reserved = self._reserved_tokens()
         trie = _PrefixTrie()
         for other in in_batch:
             trie.insert(other.prompt_ids)

@@ -129,3 +129,17 @@ def test_sft_recipe_runs(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 3 and "eval/accuracy" in records[-1]
     assert (tmp_path / "run" / "checkpoints" / "step_000003" / "tokenizer.json").is_file()
+
+
+def test_multirun_sweeps_each_value(tmp_path: Path) -> None:
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    out = subprocess.run(
+        [sys.executable, "-m", "miles", "train", "-m", "trainer.max_steps=1", "trainer.eval_every=0",
+         "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "trainer.lr=1e-4,2e-4",
+         "logging.wandb=false", "logging.progress=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    configs = sorted((tmp_path / "sweep").glob("*/config.yaml"))
+    assert len(configs) == 2
+    assert "lr: 0.0001" in configs[0].read_text() and "lr: 0.0002" in configs[1].read_text()

@@ -155,7 +155,11 @@ def test_unsupported_config_fields_are_refused(tmp_path: Path) -> None:
     for field, value, message in [
         ("use_sliding_window", True, "use_sliding_window"),
         ("hidden_act", "gelu", "hidden_act 'gelu'"),
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, "'yarn' is not supported"),
+        (
+            "rope_parameters",
+            {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+            "'yarn' is not supported",
+        ),
         ("model_type", "gpt2", "model_type 'gpt2' is not supported"),
     ]:
         (folder / "config.json").write_text(json.dumps({**config, field: value}))

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from miles.rollout import Engine, SamplingParams
 
 from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs, RoutingTrace
 from miles.models.checkpoint import internal_to_hf
+from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample, SampleStatus
 
 

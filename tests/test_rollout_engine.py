@@ -10,8 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from miles.rollout import Engine, SamplingParams
-from miles.rollout.kv_pool import KVLayout
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -22,6 +20,8 @@ from transformers.generation.logits_process import (
 
 from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs, save_pretrained
+from miles.rollout import Engine, SamplingParams
+from miles.rollout.kv_pool import KVLayout
 from miles.sample import SampleStatus
 
 NEW_TOKENS = 12

@@ -59,7 +59,7 @@ def reference_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
 
 
 def assert_agree_until_near_tie(
-    model: CausalLM, a: list[Sample], b: list[Sample], logprob_tol: float
+    model: CausalLM, a: list[Sample], b: list[Sample], logprob_tol: float, near_tie: float = NEAR_TIE
 ) -> None:
     compared = 0
     for x, y in zip(a, b):
@@ -67,7 +67,7 @@ def assert_agree_until_near_tie(
             if tx != ty:
                 logits = reference_logits(model, x.prompt_ids + x.response_ids[:i])
                 gap = float((logits[tx] - logits[ty]).abs())
-                assert gap < NEAR_TIE, f"outputs diverge at step {i} with a logit gap of {gap}"
+                assert gap < near_tie, f"outputs diverge at step {i} with a logit gap of {gap}"
                 break
             assert abs(x.rollout_logprobs[i] - y.rollout_logprobs[i]) < logprob_tol
             compared += 1
@@ -95,7 +95,9 @@ def test_flashinfer_matches_the_torch_backend(moe: bool) -> None:
     engine = Engine(model, None, config(backend="flashinfer"))
     assert engine.backend == "flashinfer"
     flash_out = engine.generate(PROMPTS, GREEDY)
-    assert_agree_until_near_tie(model, torch_out, flash_out, logprob_tol=0.25)
+    # MoE: a router near-tie flips an expert and moves the logits more than a rounding would.
+    near_tie = 0.5 if moe else NEAR_TIE
+    assert_agree_until_near_tie(model, torch_out, flash_out, logprob_tol=0.25, near_tie=near_tie)
     # Against float32 math, flashinfer is as close as the torch backend (both bf16).
     model32 = copy.deepcopy(model).float()
     torch_err, flash_err = mean_logprob_error(model32, torch_out), mean_logprob_error(model32, flash_out)
@@ -108,7 +110,9 @@ def test_flashinfer_matches_the_torch_backend(moe: bool) -> None:
     assert 20 <= tiny_engine.pool.num_pages <= 28
     out = tiny_engine.generate(PROMPTS, GREEDY.with_(n=2))
     assert tiny_engine.metrics()["rollout/preemptions"] > 0
-    assert_agree_until_near_tie(model, [s for s in torch_out for _ in range(2)], out, logprob_tol=0.25)
+    assert_agree_until_near_tie(
+        model, [s for s in torch_out for _ in range(2)], out, logprob_tol=0.25, near_tie=near_tie
+    )
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])

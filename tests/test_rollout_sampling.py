@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from miles.rollout.params import SamplingParams
-from miles.rollout.sampling import SamplingTensors, sample, uniforms
 from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -14,6 +12,9 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from miles.rollout.params import SamplingParams
+from miles.rollout.sampling import SamplingTensors, sample, uniforms
 
 
 def hf_logq(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -145,3 +146,21 @@ def test_sampling_params_validation() -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
     assert SamplingParams(top_k=0).top_k == -1
+
+
+def test_draws_follow_the_distribution_across_cdf_blocks() -> None:
+    # A vocabulary of several 1024-token blocks: the two-level inverse CDF must weight blocks and tokens right.
+    vocab, draws = 2500, 40_000
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(vocab, generator=gen) * 0.5
+    heavy = torch.tensor([3, 700, 1023, 1024, 1500, 2047, 2048, 2499])
+    logits[heavy] += torch.linspace(4.0, 6.0, len(heavy))
+    tokens, _ = sample(logits.expand(draws, vocab), tensors(draws, vocab, 1.0, -1, 1.0, 0.0, seed0=5))
+    probs = torch.softmax(logits.double(), -1)
+    light = torch.ones(vocab, dtype=torch.bool)
+    light[heavy] = False
+    expected = torch.cat([probs[heavy], probs[light].sum()[None]]) * draws
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    observed = torch.cat([counts[heavy], counts[light].sum()[None]])
+    _, p_value = chisquare(observed.numpy(), (expected / expected.sum() * draws).numpy())
+    assert p_value > 1e-4, (observed, expected)

@@ -52,10 +52,14 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # A plain attribute, not a buffer: `model.to(bfloat16)` must not round the frequencies (at long
+        # positions a bf16 inv_freq shifts rotation angles by whole radians; transformers keeps float32).
+        self.inv_freq = rope_inv_freq(args)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

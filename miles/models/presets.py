@@ -18,14 +18,14 @@ from miles.models.layers import rope_inv_freq
 from miles.models.model import CausalLM
 
 # The tiny models: hidden 64, 2 layers, 4 query heads of 16, 2 KV heads, untied embeddings.
-# Why this size: on 2 CPU cores the cost of a step is the per-layer op overhead plus FLOPs ~ params, so
-# for a budget of minutes a smaller model makes many more optimizer steps and learns faster; with a
-# character-level vocabulary each digit is one token, so adding numbers is local pattern matching that
-# 2 layers x 4 heads can do (one layer gathers the operands, the next combines them). A probe of SFT on the
-# synthetic easy set with this Qwen3-MoE shape reached ~57% greedy accuracy in ~900 steps (batch 64,
-# one thread, ~14 min), while hidden 128 ran ~7x slower per step. rope_theta 1e4 (not Qwen's 1e6) because
-# with head_dim 16 there are only 8 rotary frequencies and prompts stay under ~1k tokens: a large base
-# would spend most of them on wavelengths far longer than any sequence.
+# Why this size: on 2 CPU cores a step costs per-layer op overhead plus FLOPs ~ params, so in a budget of
+# minutes a shallow model makes more optimizer steps; with one token per character every digit is its own
+# token and adding numbers is local pattern matching that 2 layers x 4 heads learn (one layer gathers the
+# operands, the next combines them). Measured (SFT on the synthetic easy set, batch 32, lr 3e-3, 1 thread,
+# exact greedy solutions on 128 held-out problems): this Qwen3-MoE shape reached 61% after 185 CPU-s;
+# experts of width 64 reached 47% by then, 4 layers 13% after 213 CPU-s. rope_theta 1e4 (not Qwen's 1e6):
+# with head_dim 16 there are only 8 rotary frequencies and prompts stay under ~1k tokens, so a large base
+# would spend most of them on wavelengths longer than any sequence.
 _TINY_COMMON: dict[str, Any] = dict(
     hidden_size=64,
     num_hidden_layers=2,

@@ -1,0 +1,38 @@
+"""Score answers to reasoning-gym tasks (`data.source=reasoning_gym:<task>`) with the task's own verifier."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from miles.sample import Sample
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_final(text: str) -> str:
+    """The text inside the last <answer>...</answer>, else after the last `####`, else the last line."""
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return tags[-1].strip()
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def reasoning_gym_reward(sample: Sample, **_: Any) -> dict[str, Any]:
+    import reasoning_gym
+
+    source = sample.metadata.get("data_source", "")
+    if not source.startswith("reasoning_gym:"):
+        raise ValueError(f"sample data_source {source!r} is not a reasoning_gym task")
+    task = source.split(":", 1)[1]
+    entry = {
+        "question": sample.prompt if isinstance(sample.prompt, str) else "",
+        "answer": sample.label,
+        "metadata": sample.metadata.get("rg_metadata", {}),
+    }
+    answer = extract_final(sample.response_text)
+    score = reasoning_gym.get_score_answer_fn(task)(answer, entry)
+    return {"score": float(score), "extracted": answer}
