@@ -457,6 +457,9 @@ class Engine:
             q_lens=lens.tolist(),
             kv_lens=(starts + lens).tolist(),
             sample_index=sample_index,
+            # Requests pinned to the same radix node share their first prefix_len slots.
+            prefix_groups=[id(c.req.node) if c.req.node is not None else -1 for c in chunks],
+            prefix_lens=[c.req.prefix_len for c in chunks],
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:

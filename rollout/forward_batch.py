@@ -24,6 +24,10 @@ class ForwardBatch:
     """[B] cached + new tokens per sequence (what each attends over)."""
     sample_index: torch.Tensor
     """[S] indices into the N tokens whose logits are needed (the last token of sampling sequences)."""
+    prefix_groups: list[int] | None = None
+    """[B] sequences with the same id share the KV slots of their first `prefix_lens` positions (-1: none)."""
+    prefix_lens: list[int] | None = None
+    """[B] length of that shared (radix-cached) prefix."""
 
     @property
     def num_tokens(self) -> int:

@@ -111,14 +111,20 @@ class KVPool:
         self.k_cache[layer].view(rows).index_copy_(0, slots, k.reshape(len(slots), -1).to(dtype))  # type: ignore[index]
         self.v_cache[layer].view(rows).index_copy_(0, slots, v.reshape(len(slots), -1).to(dtype))  # type: ignore[index]
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v at `slots` (any shape S) -> [*S, num_kv_heads, head_dim]."""
+    def gather(
+        self, layer: int, slots: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v at `slots` (any shape S) -> [*S, num_kv_heads, head_dim], into `out` buffers when given."""
         lay = self.layout
         rows = (self.num_slots, lay.num_kv_heads * lay.head_dim)
         shape = (*slots.shape, lay.num_kv_heads, lay.head_dim)
-        # index_select over 2-D rows: several times faster on CPU than advanced indexing or 3-D rows
-        k = self.k_cache[layer].view(rows).index_select(0, slots.reshape(-1))  # type: ignore[index]
-        v = self.v_cache[layer].view(rows).index_select(0, slots.reshape(-1))  # type: ignore[index]
+        flat_slots = slots.reshape(-1)
+        # index_select over 2-D rows (several times faster on CPU than advanced indexing); reusing the output
+        # buffers across layers also saves the page faults of fresh multi-MB allocations.
+        k_out = out[0].view(len(flat_slots), -1) if out is not None else None
+        v_out = out[1].view(len(flat_slots), -1) if out is not None else None
+        k = torch.index_select(self.k_cache[layer].view(rows), 0, flat_slots, out=k_out)  # type: ignore[index]
+        v = torch.index_select(self.v_cache[layer].view(rows), 0, flat_slots, out=v_out)  # type: ignore[index]
         return k.view(shape), v.view(shape)
 
     # page allocator ----------------------------------------------------------------------------
