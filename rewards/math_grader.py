@@ -10,6 +10,7 @@ on the main thread (reward workers run graders there).
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 from fractions import Fraction
@@ -159,6 +160,10 @@ def _gold_answer(ground_truth: Any) -> str:
 
 def _math_verify_timeouts() -> tuple[int | None, int | None]:
     on_main = threading.current_thread() is threading.main_thread()
+    if not on_main:
+        # Off the main thread math-verify cannot arm its signal timeouts and warns on every call; the
+        # runner's own hard timeout covers these calls, so the warning is noise.
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
     return (MATH_VERIFY_TIMEOUT_S, MATH_VERIFY_TIMEOUT_S) if on_main else (None, None)
 
 

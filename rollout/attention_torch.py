@@ -62,7 +62,6 @@ class _SharedPrefixes:
 class TorchPagedAttention:
     def __init__(self, pool: KVPool, table: RequestTable, batch: ForwardBatch) -> None:
         self.pool, self.out_slots = pool, batch.out_slots
-        device = pool.device
         starts = batch.q_starts
         decodes = [i for i, n in enumerate(batch.q_lens) if n == 1]
         self.dec_tokens: torch.Tensor | None = None
