@@ -103,7 +103,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
         return_routing=cfg.rollout.record_routing,
     )
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps)
+    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps, tokenizer)
     last: dict[str, float] = {}
 
     def run_eval() -> dict[str, float]:

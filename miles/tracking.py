@@ -29,9 +29,15 @@ def _clean(value: Any) -> Any:
 
 class Tracker:
     def __init__(
-        self, run_dir: Path, cfg: LoggingConfig, config_dict: dict[str, Any], recipe: str, total_steps: int
+        self,
+        run_dir: Path,
+        cfg: LoggingConfig,
+        config_dict: dict[str, Any],
+        recipe: str,
+        total_steps: int,
+        tokenizer: Any = None,
     ):
-        self.run_dir, self.cfg, self.total_steps = run_dir, cfg, total_steps
+        self.run_dir, self.cfg, self.total_steps, self.tokenizer = run_dir, cfg, total_steps, tokenizer
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -109,6 +115,8 @@ class Tracker:
                 "status": sample.status.value,
                 "response_length": sample.response_length,
             }
+            if self.tokenizer is not None and sample.prompt_ids:
+                row["prompt_text"] = self.tokenizer.decode(sample.prompt_ids)  # exactly what the model saw
             self.samples_file.write(json.dumps(row, default=str) + "\n")
 
     def plot(self) -> None:

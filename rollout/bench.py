@@ -20,13 +20,15 @@ import torch
 from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs
 from miles.models.checkpoint import from_pretrained, resolve_dtype
-from miles.models.layers import rope_inv_freq
+from miles.models.presets import PRESETS, build_random_model, preset_args
 from miles.rollout.engine import Engine
 from miles.rollout.kv_pool import KVLayout
 from miles.rollout.params import SamplingParams
 
-_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
+_BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    # CPU-sized but big enough that matmuls, not per-op overhead, dominate a step (the shipped `tiny` is
+    # hidden 64 x 2 layers, where both engines mostly measure Python and dispatch overhead).
+    "cpu-small": dict(
         model_type="qwen3",
         vocab_size=4096,
         hidden_size=256,
@@ -37,62 +39,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         head_dim=64,
         max_position_embeddings=4096,
     ),
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-8b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-    ),
 }
-
-
-def preset_args(name: str) -> ModelArgs:
-    if name not in _PRESETS:
-        raise ValueError(
-            f"unknown preset {name!r}; choose one of {sorted(_PRESETS)} or pass a checkpoint path"
-        )
-    return ModelArgs(**_PRESETS[name])
-
-
-def random_model(args: ModelArgs, dtype: torch.dtype, device: torch.device, seed: int) -> CausalLM:
-    """Random weights built directly on the device in the target dtype (no float32 or CPU copy)."""
-    with torch.device("meta"):
-        model = CausalLM(args)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    torch.manual_seed(seed)
-    model.init_weights(std=0.02)
-    return model.eval()
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:
@@ -191,7 +138,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="miles bench rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="tiny", help=f"checkpoint path or preset: {', '.join(_PRESETS)}")
+    p.add_argument(
+        "--model", default="tiny", help=f"checkpoint path or preset: {', '.join([*PRESETS, *_BENCH_PRESETS])}"
+    )
+    p.add_argument(
+        "--arch", default="qwen3_moe", help="architecture of the tiny preset: qwen3 | qwen3_moe | llama"
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -208,7 +160,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--max-running-requests", type=int, default=1024)
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
-    p.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 * 1024**2, help="KV pool on CPU")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -228,10 +180,13 @@ def main(argv: list[str]) -> int:
     )
     on_gpu = device.type == "cuda"
     dtype = resolve_dtype(a.dtype or ("bfloat16" if on_gpu else "float32"))
-    if a.model in _PRESETS:
-        args = preset_args(a.model)
+    if a.model in PRESETS or a.model in _BENCH_PRESETS:
+        if a.model in _BENCH_PRESETS:
+            args = ModelArgs(**_BENCH_PRESETS[a.model])
+        else:
+            args = preset_args(a.arch if a.model == "tiny" else None, a.model)
         args.max_position_embeddings = max(args.max_position_embeddings, a.input_len + a.output_len + 8)
-        model = random_model(args, dtype, device, a.seed)
+        model = build_random_model(args, dtype, device, seed=a.seed).eval()
     else:
         model = from_pretrained(a.model, dtype=dtype, device=device).eval()
         args = model.args

@@ -285,14 +285,15 @@ class Engine:
 
         Requests in flight are finished on the old weights first (update_policy=finish) or restarted from
         their prompt on the new ones (retract). The radix cache is flushed: its KV came from the old weights.
+        While the KV memory is released (colocated training) nothing can run, so queued requests restart.
         """
-        self._check_usable()
         if self.scheduler.has_work:
-            if self.cfg.update_policy == "finish":
+            if self.cfg.update_policy == "finish" and not self._released:
                 while self.scheduler.has_work:
                     self.step()
             else:
-                for req in self.scheduler.retract_all():
+                self.scheduler.retract_all()
+                for req in self.scheduler.waiting:
                     req.output_ids, req.logprobs, req.stop_text = [], [], None
         self.flush_cache()
         self._load(weights)
@@ -535,11 +536,12 @@ class Engine:
         return sample
 
     def _routing_of(self, req: Request) -> list[list[list[int]]] | None:
-        """Experts chosen at the position that produced each response token (read from the slot store)."""
+        """Experts chosen at every position fed to the model (the prompt, then the response minus its last
+        token), read from the slot store; the layout `Sample.routed_experts` documents for routing replay."""
         if self.pool.routing is None or req.row < 0 or not req.output_ids:
             return None
-        first = len(req.prompt_ids) - 1
-        slots = self.kv.table.table[req.row, first : first + len(req.output_ids)].long()
+        fed = len(req.prompt_ids) + len(req.output_ids) - 1
+        slots = self.kv.table.table[req.row, :fed].long()
         return self.pool.routing[slots].tolist()
 
     def _to_sample(self, req: Request, routed: list[list[list[int]]] | None) -> Sample:

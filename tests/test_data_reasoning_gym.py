@@ -18,8 +18,12 @@ def test_reasoning_gym_rows_and_reward() -> None:
     assert len(train) == 5 and len(test) == 3
     row = train[0]
     assert row.metadata["data_source"] == "reasoning_gym:basic_arithmetic"
-    good = Sample(prompt=row.prompt, label=row.label, metadata=row.metadata,
-                  response_text=f"Let me compute.\n<answer>{row.label}</answer>")
+    good = Sample(
+        prompt=row.prompt,
+        label=row.label,
+        metadata=row.metadata,
+        response_text=f"Let me compute.\n<answer>{row.label}</answer>",
+    )
     bad = Sample(prompt=row.prompt, label=row.label, metadata=row.metadata, response_text="#### 123456789")
     assert reasoning_gym_reward(good)["score"] == 1.0
     assert reasoning_gym_reward(bad)["score"] < 1.0

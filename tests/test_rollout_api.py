@@ -112,6 +112,13 @@ def test_release_and_resume_memory() -> None:
         engine.generate(PROMPTS, GREEDY)
     engine.resume_memory()
     assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == [s.response_ids for s in before]
+    # Colocated training: weights change while the KV memory is released.
+    new = tiny_model(seed=1)
+    engine.release_memory()
+    engine.update_weights(new.state_dict(), version=3)
+    engine.resume_memory()
+    fresh = Engine(new, None, config()).generate(PROMPTS, GREEDY)
+    assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == [s.response_ids for s in fresh]
 
 
 def test_stop_token_ids_eos_and_ignore_eos() -> None:
@@ -169,7 +176,7 @@ def test_deterministic_mode_is_batch_invariant(moe: bool) -> None:
         assert a.rollout_logprobs == b.rollout_logprobs  # bit for bit
 
 
-def test_routing_is_recorded_per_response_token() -> None:
+def test_routing_is_recorded_per_fed_token() -> None:
     model = tiny_model(moe=True, seed=5)
     engine = Engine(model, None, config(max_batch_tokens=8, max_running_requests=8))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=9, return_routing=True)
@@ -183,7 +190,7 @@ def test_routing_is_recorded_per_response_token() -> None:
                 model.forward_packed(
                     torch.tensor(ids), torch.arange(len(ids)), VarlenAttention([0, len(ids)]), trace
                 )
-            expected = trace.stacked()[:, len(s.prompt_ids) - 1 : -1].permute(1, 0, 2).tolist()
+            expected = trace.stacked()[:, :-1].permute(1, 0, 2).tolist()  # prompt + response minus the last
             assert s.routed_experts == expected
     (plain,) = engine.generate([PROMPTS[0]], params.with_(n=1, return_routing=False))
     assert plain.routed_experts is None

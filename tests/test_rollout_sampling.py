@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -15,6 +14,14 @@ from transformers.generation.logits_process import (
 
 from miles.rollout.params import SamplingParams
 from miles.rollout.sampling import SamplingTensors, sample, uniforms
+
+
+def chisquare(observed: object, expected: object) -> tuple[float, float]:
+    """Pearson's chi-square statistic and its p-value (survival function of chi2 with k - 1 dof)."""
+    observed, expected = torch.as_tensor(observed).double(), torch.as_tensor(expected).double()
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((observed.numel() - 1) / 2, dtype=torch.float64)
+    return float(stat), float(torch.special.gammaincc(dof, stat / 2))
 
 
 def hf_logq(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -190,7 +190,7 @@ class TorchTrainer:
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
         t = self.temperature if temperature is None else temperature
-        return self._logprobs_no_grad(self.model, samples, False, t)
+        return self._logprobs_no_grad(self.model, samples, self.cfg.routing_replay, t)
 
     # ---- optimizer and schedule state --------------------------------------------------------------
 

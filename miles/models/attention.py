@@ -14,13 +14,21 @@ import torch.nn.functional as F
 
 
 class AttentionContext(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q: [N, Hq, D], k/v: [N, Hkv, D] for the N new tokens; returns [N, Hq, D]."""
         ...
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-         mask: torch.Tensor | None = None) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reference attention for one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D].
 
     With `causal`, query i sees keys up to i + (Tk - Tq) (the queries are the last Tq positions).
@@ -30,8 +38,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
         causal = False
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)
 
@@ -59,13 +72,16 @@ class VarlenAttention:
             self._mask = same_seq & torch.ones(n, n, dtype=torch.bool, device=device).tril()
         return self._mask
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         if len(self.cu_seqlens) == 2:
             return sdpa(q, k, v, scale, causal=True)
         if self.cu_seqlens[-1] <= self.block_mask_max_tokens:
             return sdpa(q, k, v, scale, causal=False, mask=self._block_causal_mask(q.device))
         outs = [
             sdpa(q[s:e], k[s:e], v[s:e], scale, causal=True)
-            for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]) if e > s
+            for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])
+            if e > s
         ]
         return torch.cat(outs, dim=0)
