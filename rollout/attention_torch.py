@@ -154,7 +154,7 @@ class TorchPagedAttention:
         if self.shared is None:
             return F.scaled_dot_product_attention(
                 qg, keys, values, attn_mask=self.dec_mask, scale=scale
-            ).view(b, hq, d)
+            ).reshape(b, hq, d)  # CUDA SDPA kernels may return a transposed (non-contiguous) layout
         out, lse = _attention_lse(qg, keys, values, self.dec_mask, scale)
         sh = self.shared
         groups, width = sh.members.shape
@@ -162,8 +162,8 @@ class TorchPagedAttention:
         # Every member's queries against its group's one prefix: [G, Hkv, M * (Hq / Hkv), D].
         gq = qg[sh.members].permute(0, 2, 1, 3, 4).reshape(groups, hkv, -1, d)
         p_out, p_lse = _attention_lse(gq, pk.transpose(1, 2), pv.transpose(1, 2), sh.mask, scale)
-        p_out = p_out.view(groups, hkv, width, -1, d).permute(0, 2, 1, 3, 4)[sh.valid]  # [members, Hkv, G, D]
-        p_lse = p_lse.view(groups, hkv, width, -1).permute(0, 2, 1, 3)[sh.valid]
+        p_out = p_out.reshape(groups, hkv, width, -1, d).permute(0, 2, 1, 3, 4)[sh.valid]  # [members, Hkv, G, D]
+        p_lse = p_lse.reshape(groups, hkv, width, -1).permute(0, 2, 1, 3)[sh.valid]
         idx = sh.members[sh.valid]
         s_out, s_lse = out[idx].float(), lse[idx]
         total = torch.logaddexp(p_lse, s_lse)
