@@ -150,3 +150,32 @@ def test_gpu_deterministic_mode_is_batch_invariant() -> None:
     busy = Engine(model, None, config(deterministic=True, max_batch_tokens=7, max_running_requests=7))
     crowded = busy.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], params)[2:4]
     assert [s.rollout_logprobs for s in alone] == [s.rollout_logprobs for s in crowded]
+
+
+def test_torch_backend_float32_on_cuda_matches_cpu() -> None:
+    """The RL loop's GPU path for float32 models (torch attention, shared-prefix decode for n > 1 groups)
+    gives the CPU engine's greedy tokens. A non-contiguous CUDA SDPA output once broke it."""
+    cpu_model = CausalLM(
+        ModelArgs(
+            model_type="qwen3_moe",
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        )
+    )
+    cpu_model.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    cuda_model = copy.deepcopy(cpu_model).to("cuda")
+    params = SamplingParams(n=4, temperature=0.0, max_new_tokens=12)
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10, 11]]
+    on_cpu = Engine(cpu_model, None, RolloutConfig(backend="torch")).generate(prompts, params)
+    on_gpu = Engine(cuda_model, None, RolloutConfig(backend="torch", cuda_graph=False)).generate(
+        prompts, params
+    )
+    assert [s.response_ids for s in on_gpu] == [s.response_ids for s in on_cpu]
