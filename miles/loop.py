@@ -10,8 +10,9 @@ import logging
 import random
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +64,30 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: object, run_dir: Path, st
     return save_pretrained(model, run_dir / "checkpoints" / f"step_{step:06d}", tokenizer=tokenizer)
 
 
+@dataclass
+class RunInputs:
+    """What every job starts from: the model and tokenizer, and the tokenised prompts."""
+
+    model: Any  # CausalLM
+    tokenizer: Any
+    train_prompts: list[Sample]
+    test_prompts: list[Sample]
+    dropped_prompts: int
+    stop_token_ids: list[int]
+
+
+def prepare_inputs(cfg: MilesConfig) -> RunInputs:
+    seed_everything(cfg.trainer.seed)
+    set_cpu_threads(cfg.placement.cpu_threads)
+    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
+    formatter = PromptFormatter(loaded.tokenizer, cfg.data, cfg.model.chat_template)
+    train_rows, test_rows = load_rows(cfg.data)
+    train_prompts, dropped = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
+    test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
+    eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
+    return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos)
+
+
 def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.rewards import RewardRunner
     from miles.rollout import Engine, SamplingParams
@@ -70,14 +95,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.trainer.algorithms import compute_advantages
     from miles.weight_sync import InProcessWeightSync
 
-    seed_everything(cfg.trainer.seed)
-    set_cpu_threads(cfg.placement.cpu_threads)
-    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)
-    train_rows, test_rows = load_rows(cfg.data)
-    train_prompts, dropped = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
-    test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
+    inputs = prepare_inputs(cfg)
+    model, tokenizer, eos = inputs.model, inputs.tokenizer, inputs.stop_token_ids
+    train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
     loader = PromptLoader(train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
 
     ref_model = None
@@ -90,7 +110,6 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     )
     sync = InProcessWeightSync(model, engine)
     rewards = RewardRunner(cfg.reward, engine=engine)
-    eos = stop_ids(tokenizer, model.args.eos_token_ids)
     params = SamplingParams(
         n=cfg.rollout.n_samples_per_prompt,
         temperature=cfg.rollout.temperature,

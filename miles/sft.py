@@ -12,11 +12,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from miles.config import MilesConfig
-from miles.data import PromptFormatter, load_rows, to_samples
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
-from miles.loop import save_checkpoint, seed_everything, set_cpu_threads, stop_ids
-from miles.model_io import load_model
+from miles.loop import prepare_inputs, save_checkpoint
 from miles.sample import Sample
 from miles.tracking import Tracker, redact
 
@@ -50,16 +48,14 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.rollout import Engine
     from miles.trainer import TorchTrainer
 
-    seed_everything(cfg.trainer.seed)
-    set_cpu_threads(cfg.placement.cpu_threads)
-    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)
-    train_rows, test_rows = load_rows(cfg.data)
-    train_prompts, _ = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
-    test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
-    eos = stop_ids(tokenizer, model.args.eos_token_ids)
-    data = sft_samples(train_prompts, tokenizer, tokenizer.eos_token_id)
+    inputs = prepare_inputs(cfg)
+    model, tokenizer, eos, test_prompts = (
+        inputs.model,
+        inputs.tokenizer,
+        inputs.stop_token_ids,
+        inputs.test_prompts,
+    )
+    data = sft_samples(inputs.train_prompts, tokenizer, tokenizer.eos_token_id)
 
     batch = cfg.trainer.sft_batch_size
     steps = math.ceil(len(data) * cfg.trainer.sft_epochs / batch)

@@ -162,7 +162,9 @@ class TorchPagedAttention:
         # Every member's queries against its group's one prefix: [G, Hkv, M * (Hq / Hkv), D].
         gq = qg[sh.members].permute(0, 2, 1, 3, 4).reshape(groups, hkv, -1, d)
         p_out, p_lse = _attention_lse(gq, pk.transpose(1, 2), pv.transpose(1, 2), sh.mask, scale)
-        p_out = p_out.reshape(groups, hkv, width, -1, d).permute(0, 2, 1, 3, 4)[sh.valid]  # [members, Hkv, G, D]
+        p_out = p_out.reshape(groups, hkv, width, -1, d).permute(0, 2, 1, 3, 4)[
+            sh.valid
+        ]  # [members, Hkv, G, D]
         p_lse = p_lse.reshape(groups, hkv, width, -1).permute(0, 2, 1, 3)[sh.valid]
         idx = sh.members[sh.valid]
         s_out, s_lse = out[idx].float(), lse[idx]
@@ -187,29 +189,6 @@ class RowwiseAttention:
     ) -> None:
         self.pool, self.out_slots = pool, out_slots
         self.slots = [table.table[r, : p + 1].long() if r >= 0 else None for r, p in zip(rows, positions)]
-
-    def _plan_groups(
-        self,
-        table: RequestTable,
-        batch: ForwardBatch,
-        decodes: list[int],
-        groups: list[tuple[int, list[int]]],
-    ) -> _SharedPrefixes:
-        device = self.pool.device
-        width = max(len(idx) for _, idx in groups)
-        longest = max(length for length, _ in groups)
-        members = torch.tensor([idx + [idx[0]] * (width - len(idx)) for _, idx in groups], device=device)
-        valid = (
-            torch.arange(width, device=device)[None, :]
-            < torch.tensor([len(i) for _, i in groups], device=device)[:, None]
-        )
-        rows = torch.tensor([batch.rows[decodes[idx[0]]] for _, idx in groups], device=device)
-        lengths = torch.tensor([length for length, _ in groups], device=device)
-        positions = torch.arange(longest, device=device)[None, :]
-        slots = table.table[rows[:, None], positions].long().masked_fill(positions >= lengths[:, None], 0)
-        uniform = all(length == longest for length, _ in groups)
-        mask = None if uniform else (positions < lengths[:, None])[:, None, None, :]
-        return _SharedPrefixes(members, valid, slots, mask)
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float

@@ -87,10 +87,10 @@ class RadixCache:
         return self._aligned(i)
 
     # queries -------------------------------------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        key = key[: self._aligned(len(key))]
+    def _walk(self, key: list[int], now: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `key` down the tree (splitting a partly matched node, touching each visited one):
+        (deepest matched node, matched length, the matched nodes' slot values in order)."""
         node, pos, values = self.root, 0, []
-        now = next(self._clock)
         while pos < len(key):
             child = node.children.get(self._child_key(key[pos:]))
             if child is None:
@@ -101,6 +101,11 @@ class RadixCache:
                 child = self._split(child, n)
             values.append(child.value)
             node, pos = child, pos + n
+        return node, pos, values
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        key = key[: self._aligned(len(key))]
+        node, _, values = self._walk(key, next(self._clock))
         slots = torch.cat(values) if values else self.root.value
         return MatchResult(slots=slots, node=node)
 
@@ -110,17 +115,8 @@ class RadixCache:
         The caller owns `value[:returned]` as duplicates of cached slots and must free them.
         """
         key = key[: self._aligned(len(key))]
-        node, pos = self.root, 0
         now = next(self._clock)
-        while pos < len(key):
-            child = node.children.get(self._child_key(key[pos:]))
-            if child is None:
-                break
-            child.last_access = now
-            n = self._match_len(child.key, key[pos:])
-            if n < len(child.key):
-                child = self._split(child, n)
-            node, pos = child, pos + n
+        node, pos, _ = self._walk(key, now)
         if pos < len(key):
             leaf = TreeNode(key=list(key[pos:]), value=value[pos : len(key)], parent=node, last_access=now)
             node.children[self._child_key(leaf.key)] = leaf
