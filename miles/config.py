@@ -103,8 +103,6 @@ class RolloutConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    """Peak learning rate."""
     min_lr_ratio: float = 0.1
     """Cosine decays to lr * min_lr_ratio."""
     weight_decay: float = 0.0
@@ -128,7 +126,7 @@ class TrainerConfig:
     max_steps: int = 100
     """RL steps (rollout + update) to run."""
     lr: float = 1e-5
-    """Peak learning rate (shortcut for optim.lr)."""
+    """Peak learning rate."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
     global_batch_size: int = 128
@@ -162,7 +160,7 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    """grpo | dr_grpo | gspo | sft, or a custom advantage estimator `pkg.mod:func`."""
+    """Name of the preset (grpo | dr_grpo | sft); `sft` runs the supervised loop instead of RL."""
     advantage: str = "grpo"
     """Advantage estimator registered in miles.trainer.algorithms (grpo, reinforce, ...) or `pkg.mod:func`."""
     normalize_std: bool = True
