@@ -65,6 +65,8 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["model=nope"], "tiny_moe_math"),
         (["trainer.max_steps=abc", "--cfg", "job"], "max_steps"),
         (["nosuchgroup.key=1"], "Valid keys"),
+        (["trainer.backend=megatron", "logging.wandb=false"], "trainer.backend=torch"),
+        (["placement.mode=ray", "logging.wandb=false"], "placement.mode=embedded"),
     ],
 )
 def test_user_errors_are_clean(args: list[str], needle: str, tmp_path: Path) -> None:
