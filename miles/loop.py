@@ -148,7 +148,13 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             metrics.update(compute_advantages(samples, cfg.algorithm))
 
             t = time.perf_counter()
-            metrics.update(trainer.train_step(samples))
+            # An aborted request (engine error) has no response: it costs its sample, never the step.
+            trainable = [s for s in samples if s.response_ids]
+            metrics["train/dropped_samples"] = float(len(samples) - len(trainable))
+            if trainable:
+                metrics.update(trainer.train_step(trainable))
+            else:
+                log.warning("step %d: no sample has a response; skipping the update", step)
             metrics["time/train"] = time.perf_counter() - t
 
             result = sync.sync(version=step)

@@ -200,3 +200,31 @@ def test_grpo_smollm2_math_runs_on_cpu(tmp_path: Path) -> None:
         )
         assert sum(ch.isalpha() for ch in row["response"]) > 5  # real words, not noise
         assert row["reward"] in (0.0, 1.0)
+
+
+def test_a_prompt_the_engine_rejects_costs_its_samples_not_the_run(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    rows = [
+        {"prompt": f"Ann has {i} pens and gets 2 more. How many pens does Ann have now?", "label": str(i + 2)}
+        for i in range(3)
+    ]
+    rows.append(
+        {"prompt": "Ann has 1 pen. " * 100 + "How many pens?", "label": "1"}
+    )  # > the 1024-token context
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        f"data.path={data}",
+        "data.max_prompt_length=4096",
+        "data.shuffle=false",
+        "trainer.max_steps=1",
+        "trainer.eval_every=0",
+        "trainer.save_final=false",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=2",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["rollout/aborted"] == 2.0 and record["train/dropped_samples"] == 2.0
+    assert "train/loss" in record
