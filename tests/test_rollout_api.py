@@ -6,9 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from rollout_helpers import tiny_model
 
 from miles.config import RolloutConfig
-from miles.models import CausalLM, ModelArgs, RoutingTrace
+from miles.models import RoutingTrace
 from miles.models.checkpoint import internal_to_hf
 from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample, SampleStatus
@@ -20,25 +21,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_model(moe: bool = False, seed: int = 0, **overrides: object) -> CausalLM:
-    base: dict[str, object] = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    if moe:
-        base.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-    base.update(overrides)
-    model = CausalLM(ModelArgs(**base))  # type: ignore[arg-type]
-    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
-    return model.eval()
 
 
 def config(**overrides: object) -> RolloutConfig:

@@ -10,16 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from rollout_helpers import hf_logq, tiny_model
 from transformers import AutoModelForCausalLM
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from miles.config import RolloutConfig
-from miles.models import CausalLM, ModelArgs, save_pretrained
+from miles.models import CausalLM, save_pretrained
 from miles.rollout import Engine, SamplingParams
 from miles.rollout.kv_pool import KVLayout
 from miles.sample import SampleStatus
@@ -34,29 +29,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_args(moe: bool, **overrides: object) -> ModelArgs:
-    base: dict[str, object] = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    if moe:
-        base.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-    base.update(overrides)
-    return ModelArgs(**base)  # type: ignore[arg-type]
-
-
-def tiny_model(moe: bool, seed: int = 0, **overrides: object) -> CausalLM:
-    model = CausalLM(tiny_args(moe, **overrides))
-    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
-    return model.eval()
 
 
 def kv_bytes(model: CausalLM, tokens: int, page_size: int = 1) -> int:
@@ -155,18 +127,7 @@ def full_forward_logprobs(
 ) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response]))[0, len(prompt) - 1 : -1]
-    rows = []
-    for row, token in zip(logits, response):
-        scores = row[None].clone()
-        if temperature != 1.0:
-            scores = TemperatureLogitsWarper(temperature)(None, scores)
-        if top_k > 0:
-            scores = TopKLogitsWarper(top_k)(None, scores)
-        if top_p < 1.0:
-            scores = TopPLogitsWarper(top_p)(None, scores)
-        if min_p > 0:
-            scores = MinPLogitsWarper(min_p)(None, scores)
-        rows.append(torch.log_softmax(scores[0], -1)[token])
+    rows = [hf_logq(row, temperature, top_k, top_p, min_p)[token] for row, token in zip(logits, response)]
     return torch.stack(rows)
 
 

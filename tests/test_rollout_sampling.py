@@ -5,12 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from rollout_helpers import hf_logq
 
 from miles.rollout.params import SamplingParams
 from miles.rollout.sampling import SamplingTensors, sample, uniforms
@@ -22,20 +17,6 @@ def chisquare(observed: object, expected: object) -> tuple[float, float]:
     stat = ((observed - expected) ** 2 / expected).sum()
     dof = torch.tensor((observed.numel() - 1) / 2, dtype=torch.float64)
     return float(stat), float(torch.special.gammaincc(dof, stat / 2))
-
-
-def hf_logq(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """log of the distribution transformers' sampling draws from (warpers in generate's order)."""
-    scores = logits.clone()[None]
-    if temperature != 1.0:
-        scores = TemperatureLogitsWarper(temperature)(None, scores)
-    if top_k > 0:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    if min_p > 0:
-        scores = MinPLogitsWarper(min_p)(None, scores)
-    return torch.log_softmax(scores[0], dim=-1)
 
 
 def tensors(
