@@ -19,7 +19,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from miles.models.args import ModelArgs
-from miles.models.layers import rope_inv_freq
 from miles.models.model import CausalLM
 
 _EXPERT_KEY = re.compile(
@@ -157,11 +156,7 @@ def from_pretrained(
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_state_into(model, iter_hf_tensors(path))
-    model = model.to(dtype=torch_dtype)
-    # `.to(dtype)` also casts the RoPE frequencies; keep them float32 as transformers does, or bf16
-    # rounding of inv_freq shifts the rotation angle by whole radians at positions in the thousands.
-    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
-    return model
+    return model.to(dtype=torch_dtype)  # RoPE frequencies stay float32 (see layers.RotaryEmbedding)
 
 
 def save_pretrained(

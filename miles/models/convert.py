@@ -85,7 +85,6 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> P
 
     from miles.models.args import SUPPORTED_MODEL_TYPES, ModelArgs
     from miles.models.checkpoint import load_state_into, resolve_dtype, save_pretrained
-    from miles.models.layers import rope_inv_freq
     from miles.models.model import CausalLM
     from miles.models.tokenizer import tidy_tokenizer_config
 
@@ -105,7 +104,6 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32") -> P
     with torch.device("meta"):
         model = CausalLM(args)
     model = model.to_empty(device="cpu")
-    model.model.rotary_emb.inv_freq = rope_inv_freq(args)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     hf_state = hf_model.state_dict()

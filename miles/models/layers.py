@@ -28,7 +28,10 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # Built on the CPU explicitly, so a model constructed under `torch.device("meta")` still gets real values.
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
     scaling = args.rope_scaling
     if not scaling:
         return inv_freq
@@ -55,6 +58,11 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not round the frequencies (at long
         # positions a bf16 inv_freq shifts rotation angles by whole radians; transformers keeps float32).
         self.inv_freq = rope_inv_freq(args)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # Follow the module's device moves (.to / .cuda / to_empty) but never its dtype casts.
+        self.inv_freq = self.inv_freq.to(fn(torch.empty(0)).device)
+        return super()._apply(fn, recurse)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:

@@ -14,7 +14,6 @@ import torch
 from miles.errors import MilesUserError
 from miles.models.args import SUPPORTED_MODEL_TYPES, ModelArgs
 from miles.models.checkpoint import resolve_dtype
-from miles.models.layers import rope_inv_freq
 from miles.models.model import CausalLM
 
 # The tiny models: hidden 64, 2 layers, 4 query heads of 16, 2 KV heads, untied embeddings.
@@ -194,7 +193,6 @@ def build_random_model(
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.inv_freq = rope_inv_freq(args).to(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(std=std, generator=generator)
     return model
