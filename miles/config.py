@@ -89,6 +89,10 @@ class RolloutConfig:
     """Share prompt prefixes across requests through the radix cache."""
     cuda_graph: bool = True
     """Capture decode in CUDA graphs (GPU only)."""
+    flashinfer_kernel: str = "fa2"
+    """flashinfer's attention kernel family: fa2 | fa3 (Hopper; compiles its own kernels on first use)."""
+    overlap_schedule: str = "auto"
+    """Plan step t+1 while the device runs step t: auto (on for CUDA) | on | off. Off in deterministic mode."""
     deterministic: bool = False
     """Batch-invariant kernels so a request's result does not depend on its batch."""
     seed: int = 0

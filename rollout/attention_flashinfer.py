@@ -51,8 +51,14 @@ class FlashinferAttention:
 
 
 class FlashinferBackend:
-    def __init__(self, args: ModelArgs, pool: KVPool, table: RequestTable, dtype: torch.dtype) -> None:
+    def __init__(
+        self, args: ModelArgs, pool: KVPool, table: RequestTable, dtype: torch.dtype, kernel: str = "fa2"
+    ) -> None:
         import flashinfer
+
+        if kernel not in ("fa2", "fa3"):
+            raise ValueError(f"rollout.flashinfer_kernel must be fa2 or fa3, got {kernel!r}")
+        self.kernel = kernel
 
         self.flashinfer = flashinfer
         self.pool, self.table, self.dtype = pool, table, dtype
@@ -60,7 +66,19 @@ class FlashinferBackend:
         self.head_dim = args.head_dim
         self.scale = float(args.head_dim) ** -0.5  # type: ignore[operator]
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=kernel)
+        self._plan_copied: torch.cuda.Event | None = None
+
+    def _before_plan(self) -> None:
+        # `plan` fills a wrapper's pinned host buffer and copies it to the device asynchronously. With
+        # overlap scheduling the previous plan's copy may still be queued behind the step in flight; wait
+        # for that copy (not for the step) before the buffer is written again.
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+
+    def _after_plan(self) -> None:
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
 
     def _plan_args(self) -> dict[str, object]:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
@@ -68,6 +86,7 @@ class FlashinferBackend:
     def context(self, batch: ForwardBatch) -> FlashinferAttention:
         qo_indptr = torch.from_numpy(np.asarray(batch.q_starts, dtype=np.int32))
         indptr, indices, last = paged_kv_metadata(self.table, batch.rows, batch.kv_lens, self.pool.page_size)
+        self._before_plan()
         self.prefill.plan(
             qo_indptr,
             indptr,
@@ -80,6 +99,7 @@ class FlashinferBackend:
             causal=True,
             **self._plan_args(),
         )
+        self._after_plan()
         return FlashinferAttention(self.pool, self.prefill, batch.out_slots)
 
     def graph_decode_wrapper(
@@ -90,6 +110,7 @@ class FlashinferBackend:
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=True,
+            backend=self.kernel,
             paged_kv_indptr_buffer=indptr_buf[: batch_size + 1],
             paged_kv_indices_buffer=indices_buf,
             paged_kv_last_page_len_buffer=last_buf[:batch_size],
@@ -98,6 +119,7 @@ class FlashinferBackend:
     def plan_decode(
         self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor
     ) -> None:
+        self._before_plan()
         wrapper.plan(  # type: ignore[attr-defined]
             indptr,
             indices,
@@ -108,3 +130,4 @@ class FlashinferBackend:
             self.pool.page_size,
             **self._plan_args(),
         )
+        self._after_plan()

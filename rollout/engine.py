@@ -67,6 +67,24 @@ class EngineStats:
     decode_kv_tokens: int = 0
     """Sum over decode steps of the tokens attended (for the decode roofline)."""
     peak_used_tokens: int = 0
+    dropped_rows: int = 0
+    """Overlap scheduling: decode rows computed for requests their previous token had already finished."""
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device; its tokens are read by `_resolve`."""
+
+    chunks: list[Chunk]
+    extend: list[bool]
+    """Per chunk: it computes prompt (or recomputed) tokens, so its prefix goes into the radix cache."""
+    sampled: list[Chunk]
+    tokens: torch.Tensor | None
+    """[S] the sampled token ids on the device (the next step's decode inputs are gathered from it)."""
+    host: torch.Tensor | None
+    """[2, S] float64 tokens and logprobs, copied to (pinned) host memory behind the step."""
+    done: torch.cuda.Event | None
+    """Recorded after that copy (CUDA); None when the copy is synchronous."""
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -125,7 +143,14 @@ class Engine:
         self.det_chunk = _DET_CHUNK_GPU if on_gpu else _DET_CHUNK_CPU
         graph_batch = min(cfg.max_running_requests, 1024) if cfg.cuda_graph and on_gpu else 0
         self.runner = ModelRunner(
-            model, self.pool, table, self.backend, cfg.deterministic, self.det_chunk, graph_batch
+            model,
+            self.pool,
+            table,
+            self.backend,
+            cfg.deterministic,
+            self.det_chunk,
+            graph_batch,
+            cfg.flashinfer_kernel,
         )
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -138,6 +163,16 @@ class Engine:
         self._prompt_texts: dict[int, str] = {}
         self._released = False
         self._last_step_ran = False
+        self._abort_flagged = False
+        if cfg.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(
+                f"rollout.overlap_schedule must be auto, on or off, got {cfg.overlap_schedule!r}"
+            )
+        # Deterministic mode keeps the plain loop: its point is reproducibility, not speed.
+        self.overlap = not cfg.deterministic and (
+            cfg.overlap_schedule == "on" or (cfg.overlap_schedule == "auto" and on_gpu)
+        )
+        self._in_flight: _Launched | None = None
         self.stats = EngineStats()
 
     @classmethod
@@ -246,28 +281,49 @@ class Engine:
         req = self._requests.get(rid)
         if req is not None and not req.finished:
             req.abort_requested = True
+            self._abort_flagged = True
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def take_result(self, rid: int) -> Sample | None:
         return self._results.pop(rid, None)
 
     def step(self) -> list[Sample]:
-        """Run one scheduling step; returns the samples that finished in it."""
+        """Run one scheduling step; returns the samples that finished in it.
+
+        With overlap scheduling (`rollout.overlap_schedule`, on by default on CUDA) a step plans and launches
+        its forward while the device still runs the previous one, and only then reads the previous step's
+        tokens: the host work of step t+1 hides behind the device work of step t. A request that the
+        previous token finished (EOS, stop) has then already been given one more decode row, whose result is
+        dropped. Without overlap the step reads its own tokens at once.
+        """
         self._check_usable()
         t0 = time.perf_counter()
         finished: list[Sample] = []
         self._last_step_ran = False
-        for req in [r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.abort_requested]:
-            finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
+        if self._abort_flagged:
+            finished.extend(self._resolve())  # an aborted result must not keep a placeholder token
+            self._abort_flagged = False
+            for req in [r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.abort_requested]:
+                finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.retracted)
-        for req, message in plan.failed:
-            finished.append(self._finish(req, SampleStatus.ABORTED, message))
-        if plan.chunks:
-            finished.extend(self._run(plan.chunks))
+        if plan.failed:
+            finished.extend(self._resolve())
+            for req, message in plan.failed:
+                if not req.finished:
+                    finished.append(self._finish(req, SampleStatus.ABORTED, message))
+        launched = self._launch(plan.chunks) if plan.chunks else None
+        if self._in_flight is not None:
+            self._last_step_ran = True
+        finished.extend(self._resolve())
+        if launched is not None:
+            self._commit(launched)
+            self._in_flight = launched
+            if not self.overlap:
+                finished.extend(self._resolve())
             self._last_step_ran = True
             elapsed = time.perf_counter() - t0
             self.stats.steps += 1
@@ -279,6 +335,10 @@ class Engine:
                 self.stats.prefill_s += elapsed
         return finished
 
+    def _drain(self) -> None:
+        """Read the step still in flight (its finished samples go to the results)."""
+        self._resolve()
+
     # weights and memory ----------------------------------------------------------------------------
     def update_weights(self, weights: WeightsInput, version: int | None = None) -> None:
         """Load new weights (model names or HF names; a dict, (name, tensor) pairs, or buckets of either).
@@ -287,10 +347,12 @@ class Engine:
         their prompt on the new ones (retract). The radix cache is flushed: its KV came from the old weights.
         While the KV memory is released (colocated training) nothing can run, so queued requests restart.
         """
+        self._drain()
         if self.scheduler.has_work:
             if self.cfg.update_policy == "finish" and not self._released:
                 while self.scheduler.has_work:
                     self.step()
+                self._drain()
             else:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
@@ -301,6 +363,7 @@ class Engine:
 
     def flush_cache(self) -> None:
         """Empty the radix cache (no request may hold KV)."""
+        self._drain()
         if self.scheduler.running:
             raise RuntimeError("flush_cache with requests running; retract or finish them first")
         if self.kv.tree is not None:
@@ -310,6 +373,7 @@ class Engine:
         """Free the KV pool (colocated training); running requests are retracted and recomputed on resume."""
         if self._released:
             return
+        self._drain()
         self.scheduler.retract_all()
         self.flush_cache()
         self.runner.release()
@@ -390,7 +454,8 @@ class Engine:
             )
         return None
 
-    def _run(self, chunks: list[Chunk]) -> list[Sample]:
+    def _launch(self, chunks: list[Chunk]) -> _Launched:
+        """Queue the forward and sampling of `chunks`; nothing here waits for the device."""
         s = self.stats
         for c in chunks:
             if not c.req.admitted:
@@ -409,25 +474,55 @@ class Engine:
             self.pool.routing[batch.out_slots] = (
                 routing[:, : batch.num_tokens].permute(1, 0, 2).to(torch.int16)
             )
-        sampled = [c for c in chunks if c.samples]
-        values: list[list[float]] = [[], []]
-        if sampled:
-            tokens, logprobs = self._sample(logits, [c.req for c in sampled])
-            values = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one host sync
         for c in chunks:
-            c.req.kv_len += c.length
+            c.req.inflight_tokens = c.length
+        sampled = [c for c in chunks if c.samples]
+        if not sampled:
+            return _Launched(chunks, extend, sampled, None, None, None)
+        tokens, logprobs = self._sample(logits, [c.req for c in sampled])
+        values = torch.stack([tokens.double(), logprobs.double()])
+        if self.device.type != "cuda":
+            return _Launched(chunks, extend, sampled, tokens, values, None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(chunks, extend, sampled, tokens, host, done)
+
+    def _commit(self, step: _Launched) -> None:
+        """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""
+        for c in step.chunks:
+            c.req.kv_len += c.req.inflight_tokens  # 0 for a request `_finish` already settled
+            c.req.inflight_tokens = 0
+        for j, c in enumerate(step.sampled):
+            if not c.req.finished:
+                c.req.output_ids.append(-1)
+                c.req.logprobs.append(float("nan"))
+                c.req.pending_index = j
+        for c, e in zip(step.chunks, step.extend):
+            if e and not c.req.finished:
+                self.kv.cache_unfinished(c.req)
+
+    def _resolve(self) -> list[Sample]:
+        """Wait for the step in flight, put its tokens in place of the placeholders, finish requests."""
+        step, self._in_flight = self._in_flight, None
+        if step is None or step.host is None:
+            return []
+        if step.done is not None:
+            step.done.synchronize()  # the step's tokens only, not whatever was queued after it
+        tokens, logprobs = step.host.tolist()
         finished = []
-        for c, token, logprob in zip(sampled, values[0], values[1]):
+        for j, c in enumerate(step.sampled):
             req = c.req
-            req.output_ids.append(int(token))
-            req.logprobs.append(float(logprob))
-            s.output_tokens += 1
+            if req.finished or req.pending_index != j:
+                self.stats.dropped_rows += 1  # finished before this row's token was read
+                continue
+            req.output_ids[-1], req.logprobs[-1] = int(tokens[j]), float(logprobs[j])
+            req.pending_index = -1
+            self.stats.output_tokens += 1
             status = self._finish_status(req)
             if status is not None:
                 finished.append(self._finish(req, status))
-        for c, e in zip(chunks, extend):
-            if e and not c.req.finished:
-                self.kv.cache_unfinished(c.req)
         return finished
 
     def _build_batch(self, chunks: list[Chunk]) -> ForwardBatch:
@@ -450,8 +545,22 @@ class Engine:
             positions = np.repeat(starts, lens) + offsets
             sample_index = torch.tensor(rows_with_logits, dtype=torch.long).to(dev, non_blocking=True)
         out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        if self._in_flight is not None and self._in_flight.tokens is not None:
+            # Tokens still on the device (placeholders -1): gather them from the step in flight.
+            where, rows, offset = [], [], 0
+            for c in chunks:
+                req = c.req
+                if req.pending_index >= 0 and c.start <= req.seq_len - 1 < c.start + c.length:
+                    where.append(offset + req.seq_len - 1 - c.start)
+                    rows.append(req.pending_index)
+                offset += c.length
+            if where:
+                index = torch.tensor(where, dtype=torch.long).to(dev, non_blocking=True)
+                source = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+                input_ids[index] = self._in_flight.tokens[source]
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            input_ids=input_ids,
             positions=torch.from_numpy(positions).to(dev, non_blocking=True),
             out_slots=out_slots,
             rows=[c.req.row for c in chunks],
@@ -525,6 +634,9 @@ class Engine:
 
     def _finish(self, req: Request, status: SampleStatus, error: str | None = None) -> Sample:
         req.status, req.error = status, error
+        # Finished while its next step is queued (overlap): that step's KV slots are the request's too.
+        req.kv_len += req.inflight_tokens
+        req.inflight_tokens = 0
         routed = self._routing_of(req) if req.params.return_routing else None
         self.kv.release(req)
         self.scheduler.remove(req)

@@ -31,6 +31,7 @@ class ModelRunner:
         deterministic: bool,
         det_chunk_tokens: int,
         cuda_graph_max_batch: int,
+        flashinfer_kernel: str = "fa2",
     ) -> None:
         self.model, self.pool, self.table = model, pool, table
         self.backend = backend
@@ -40,7 +41,7 @@ class ModelRunner:
         if backend == "flashinfer":
             from miles.rollout.attention_flashinfer import FlashinferBackend
 
-            self.flashinfer = FlashinferBackend(model.args, pool, table, model.dtype)
+            self.flashinfer = FlashinferBackend(model.args, pool, table, model.dtype, flashinfer_kernel)
         self.graphs = None
         if cuda_graph_max_batch > 0 and pool.device.type == "cuda" and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner

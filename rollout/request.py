@@ -37,6 +37,12 @@ class Request:
     cached_tokens: int = 0
     """Prompt tokens found in the radix cache at first admission (for metrics)."""
     admitted: bool = False
+    # overlap scheduling (see engine.py)
+    inflight_tokens: int = 0
+    """Positions computed by the launched, not yet committed step (their KV is being written)."""
+    pending_index: int = -1
+    """Row of the newest output token in its step's sampled tokens while that token is still on the device
+    (`output_ids[-1]` is then the placeholder -1); -1 when every output token is known."""
 
     @property
     def seq_len(self) -> int:
@@ -59,6 +65,11 @@ class Request:
     def is_decoding(self) -> bool:
         """All tokens but the newest have KV: the next step feeds one token."""
         return self.row >= 0 and self.kv_len == self.seq_len - 1
+
+    @property
+    def can_grow(self) -> bool:
+        """Another token may still be generated (a request whose last allowed token is in flight cannot)."""
+        return self.params.max_new_tokens > len(self.output_ids)
 
     @property
     def remaining_tokens(self) -> int:

@@ -104,8 +104,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
-        self._make_room_for_decodes(plan)
-        decoding = [r for r in self.running if r.is_decoding]
+        if not self._make_room_for_decodes(plan):
+            return plan  # nothing runs until the requests whose last token is in flight give their KV back
+        decoding = self._decoding()
         self._planned = sum(self.kv.pages_needed(r, 1) for r in decoding) * self.kv.page_size
         plan.chunks.extend(Chunk.of(r, 1) for r in decoding)
         budget = self.cfg.max_batch_tokens - len(decoding)
@@ -118,7 +119,7 @@ class Scheduler:
             in_batch.append(req)
             budget -= length
         self._admit(plan, budget, in_batch)
-        if not plan.chunks and self.running:
+        if not plan.chunks and self.running and all(r.can_grow for r in self.running):
             self._unblock(plan)
         if plan.is_decode:
             self.new_token_ratio = max(
@@ -137,17 +138,25 @@ class Scheduler:
             length = min(length // 2, length - 1)
         return 0
 
-    def _make_room_for_decodes(self, plan: StepPlan) -> None:
-        """Free a slot for every decoding request, retracting requests while the pool is short."""
+    def _decoding(self) -> list[Request]:
+        # With overlap scheduling a request whose last allowed token is still in flight is running but done.
+        return [r for r in self.running if r.is_decoding and r.can_grow]
+
+    def _make_room_for_decodes(self, plan: StepPlan) -> bool:
+        """Free a slot for every decoding request, retracting requests while the pool is short.
+
+        False when the pool is short only until requests whose last token is in flight finish (wait a step).
+        """
         while True:
-            decoding = [r for r in self.running if r.is_decoding]
-            needed = sum(self.kv.pages_needed(r, 1) for r in decoding) * self.kv.page_size
+            needed = sum(self.kv.pages_needed(r, 1) for r in self._decoding()) * self.kv.page_size
             if self.kv.ensure_free(needed):
-                return
+                return True
+            if not all(r.can_grow for r in self.running):
+                return False
             self.new_token_ratio = 1.0
             if len(self.running) == 1:  # alone and still short: the pool cannot hold this request
                 self._fail(self.running[0], plan)
-                return
+                return True
             # The request that loses least work: fewest generated tokens, then longest prompt.
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
             self._retract(victim, plan)
@@ -182,9 +191,20 @@ class Scheduler:
             "or shorten the prompt / max_new_tokens"
         )
 
+    def _expected_new_tokens(self, req: Request) -> float:
+        """Slots `req` is expected to need before it finishes (SGLang's new-token ratio).
+
+        A request that ignores EOS and has no stop condition will use every one of its tokens: reserving
+        fewer admits requests that must later be retracted and recomputed.
+        """
+        remaining = min(max(req.remaining_tokens, 0), _CLIP_NEW_TOKENS)
+        p = req.params
+        if p.ignore_eos and not p.stop_token_ids and not p.stop:
+            return float(remaining)
+        return remaining * self.new_token_ratio
+
     def _reserved_tokens(self) -> float:
-        """Slots the running requests are expected to need before they finish (SGLang's new-token ratio)."""
-        return sum(min(r.remaining_tokens, _CLIP_NEW_TOKENS) for r in self.running) * self.new_token_ratio
+        return sum(self._expected_new_tokens(r) for r in self.running)
 
     def _admit(self, plan: StepPlan, budget: int, in_batch: list[Request]) -> None:
         if not self.waiting or budget <= 0:
@@ -227,7 +247,7 @@ class Scheduler:
                 ok = length > 0
             else:
                 need = self.kv.pages_needed(req, length) * self.kv.page_size
-                future = min(req.remaining_tokens, _CLIP_NEW_TOKENS) * self.new_token_ratio
+                future = self._expected_new_tokens(req)
                 room = self.kv.available_tokens() - reserved - self._planned
                 ok = room >= need + future and self.kv.ensure_free(self._planned + need)
                 if ok:
@@ -243,7 +263,7 @@ class Scheduler:
             admitted.append(req)
             in_batch.append(req)
             trie.insert(req.prompt_ids)
-            reserved += min(req.remaining_tokens, _CLIP_NEW_TOKENS) * self.new_token_ratio
+            reserved += self._expected_new_tokens(req)
             plan.chunks.append(Chunk.of(req, length))
             budget -= length
 

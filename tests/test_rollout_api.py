@@ -23,8 +23,18 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+OVERLAP = {"mode": "off"}
+
+
+@pytest.fixture(autouse=True, params=["off", "on"], ids=["sync", "overlap"])
+def _overlap_schedule(request: pytest.FixtureRequest) -> None:
+    # Every engine test runs with both step loops: the plain one, and overlap scheduling (CUDA's default).
+    OVERLAP["mode"] = request.param
+
+
 def config(**overrides: object) -> RolloutConfig:
     cfg = RolloutConfig(kv_cache_bytes=4 * 1024 * 1024, max_batch_tokens=256, max_running_requests=32)
+    cfg.overlap_schedule = OVERLAP["mode"]
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

@@ -37,8 +37,18 @@ def kv_bytes(model: CausalLM, tokens: int, page_size: int = 1) -> int:
     return (tokens + page_size) * layout.bytes_per_token
 
 
+OVERLAP = {"mode": "off"}
+
+
+@pytest.fixture(autouse=True, params=["off", "on"], ids=["sync", "overlap"])
+def _overlap_schedule(request: pytest.FixtureRequest) -> None:
+    # Every engine test runs with both step loops: the plain one, and overlap scheduling (CUDA's default).
+    OVERLAP["mode"] = request.param
+
+
 def config(**overrides: object) -> RolloutConfig:
     cfg = RolloutConfig(kv_cache_bytes=8 * 1024 * 1024, max_batch_tokens=512, max_running_requests=64)
+    cfg.overlap_schedule = OVERLAP["mode"]
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -218,3 +228,31 @@ def test_a_request_larger_than_the_pool_fails_alone() -> None:
         samples[2].status == SampleStatus.ABORTED and "KV pool holds only 16" in samples[2].metadata["error"]
     )
     assert_pool_clean(engine)
+
+
+def test_overlap_schedule_gives_the_same_samples(_overlap_schedule: None) -> None:
+    """Requests that stop early (a stop id, the context end, a tiny pool) get one extra decode row under
+    overlap scheduling; its result must be dropped and its KV slot given back."""
+    model = tiny_model(True, seed=4, max_position_embeddings=40)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11, stop_token_ids=[5, 17, 33])
+    results = {}
+    for mode in ("off", "on"):
+        cfg = config(overlap_schedule=mode, kv_cache_bytes=kv_bytes(model, 48), max_running_requests=16)
+        engine = Engine(model, None, cfg)
+        results[mode] = engine.generate(prompts, params)
+        assert_pool_clean(engine)
+        results[mode + "_dropped"] = engine.stats.dropped_rows
+        results[mode + "_metrics"] = engine.metrics()
+    off, on = results["off"], results["on"]
+    assert [s.response_ids for s in on] == [s.response_ids for s in off]
+    for a, b in zip(on, off):  # batches differ by the dropped rows, so float32 sums differ in the last bits
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+    assert [s.status for s in on] == [s.status for s in off]
+    statuses = {s.status for s in off}
+    assert statuses == {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}, (
+        "stop ids and the context end both hit"
+    )
+    assert results["off_metrics"]["rollout/preemptions"] > 0, "the pool was meant to force preemption"
+    assert all(-1 not in s.response_ids for s in on)
+    assert results["off_dropped"] == 0 and results["on_dropped"] > 0, "early stops ran a dropped row"

@@ -179,3 +179,24 @@ def test_torch_backend_float32_on_cuda_matches_cpu() -> None:
         prompts, params
     )
     assert [s.response_ids for s in on_gpu] == [s.response_ids for s in on_cpu]
+
+
+def test_overlap_schedule_on_cuda_matches_the_plain_loop() -> None:
+    """Overlap scheduling (CUDA's default) with graphs, stop ids and a pool that preempts: the same tokens
+    as the loop that reads every step's tokens before planning the next."""
+    model = gpu_model(moe=True, seed=4)
+    first = Engine(model, None, config(backend="flashinfer")).generate(
+        PROMPTS, GREEDY.with_(max_new_tokens=40)
+    )
+    stops = [first[0].response_ids[6], first[2].response_ids[10]]
+    params = GREEDY.with_(n=3, max_new_tokens=40, stop_token_ids=stops)
+    outs, dropped = {}, {}
+    for mode in ("off", "on"):
+        cfg = config(backend="flashinfer", cuda_graph=True, overlap_schedule=mode, page_size=16)
+        cfg.kv_cache_fraction = 20.5 * 16 * 3 * 2 * 2 * 128 * 2 / torch.cuda.mem_get_info()[0]
+        engine = Engine(model, None, cfg)
+        assert engine.overlap == (mode == "on")
+        outs[mode] = engine.generate(PROMPTS, params)
+        dropped[mode] = engine.stats.dropped_rows
+    assert_agree_until_near_tie(model, outs["off"], outs["on"], logprob_tol=0.05, near_tie=0.5)
+    assert dropped["off"] == 0 and dropped["on"] > 0, "early stops were meant to run a dropped row"

@@ -1,0 +1,130 @@
+"""`miles bench attention`: the paged decode attention kernels alone, against the KV bytes they must read.
+
+A decode step of B sequences with C cached tokens each reads 2 · C · B · Hkv · D elements per layer; this
+times one layer's `run` (CUDA events, median) for each flashinfer variant the engine can use and reports
+the read bandwidth next to the device's measured copy bandwidth. Random KV in a pool of the engine's layout
+with scattered slots (page size 1 takes every other slot, so no sequence is contiguous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from miles.models.presets import preset_args
+from miles.rollout.bench import measure_copy_bandwidth
+
+VARIANTS = {
+    "fa2-tensor-core": dict(use_tensor_cores=True, backend="fa2"),
+    "fa2-cuda-core": dict(use_tensor_cores=False),
+    "fa3-tensor-core": dict(use_tensor_cores=True, backend="fa3"),
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="miles bench attention", description=__doc__)
+    p.add_argument("--model", default="qwen3-8b", help="preset whose heads and head_dim to use")
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--context", type=int, default=768)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--iters", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) -> dict[str, Any]:
+    import flashinfer
+
+    device = torch.device("cuda")
+    pages_per_seq = -(-a.context // a.page_size)
+    stride = 2 if a.page_size == 1 else 1
+    num_pages = a.batch * pages_per_seq * stride + 1
+    k = torch.randn(num_pages, a.page_size, hkv, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    order = torch.randperm(a.batch * pages_per_seq, device=device) * stride + 1
+    indices = order.to(torch.int32)
+    indptr = torch.arange(0, a.batch * pages_per_seq + 1, pages_per_seq, dtype=torch.int32)
+    last = torch.full((a.batch,), a.context - (pages_per_seq - 1) * a.page_size, dtype=torch.int32)
+    workspace = torch.empty(1024 * 1024 * 1024, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **VARIANTS[name])
+    wrapper.plan(
+        indptr,
+        indices,
+        last,
+        hq,
+        hkv,
+        d,
+        a.page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
+    q = torch.randn(a.batch, hq, d, device=device, dtype=torch.bfloat16)
+    out = wrapper.run(q, (k, v))
+    # Against float32 math on the first sequences (the pages each one reads).
+    ref = []
+    for b in range(min(4, a.batch)):
+        pages = indices[b * pages_per_seq : (b + 1) * pages_per_seq].long()
+        kb = k[pages].reshape(-1, hkv, d)[: a.context].float()
+        vb = v[pages].reshape(-1, hkv, d)[: a.context].float()
+        qb = q[b].float().view(hkv, hq // hkv, d)
+        scores = torch.einsum("kgd,tkd->kgt", qb, kb) * d**-0.5
+        ref.append(torch.einsum("kgt,tkd->kgd", scores.softmax(-1), vb).reshape(hq, d))
+    ref_t = torch.stack(ref)
+    rel_err = float((out[: len(ref)].float() - ref_t).norm() / ref_t.norm())
+    times = []
+    for _ in range(a.iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        wrapper.run(q, (k, v))
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    seconds = sorted(times)[len(times) // 2]
+    kv_bytes = 2 * a.batch * a.context * hkv * d * 2
+    return {"variant": name, "seconds": seconds, "kv_bytes_per_s": kv_bytes / seconds, "rel_err": rel_err}
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    if not torch.cuda.is_available():
+        print("miles bench attention times flashinfer's GPU kernels: it needs a CUDA device", file=sys.stderr)
+        return 2
+    args = preset_args(None, a.model)
+    hq, hkv, d = args.num_attention_heads, args.num_key_value_heads, int(args.head_dim)  # type: ignore[arg-type]
+    bandwidth = measure_copy_bandwidth(torch.device("cuda"))
+    results = []
+    for name in a.variants.split(","):
+        try:
+            results.append(time_variant(name, a, hq, hkv, d))
+        except Exception as err:  # a variant this flashinfer build or GPU lacks: report it and go on
+            results.append({"variant": name, "error": f"{type(err).__name__}: {err}"[:300]})
+    report = {
+        "model": a.model,
+        "batch": a.batch,
+        "context": a.context,
+        "page_size": a.page_size,
+        "heads": [hq, hkv, d],
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "results": results,
+    }
+    print(json.dumps(report), flush=True)
+    print(
+        f"{a.model}: batch {a.batch} x context {a.context}, page {a.page_size}, copy {bandwidth / 1e12:.2f} TB/s"
+    )
+    for r in results:
+        if "error" in r:
+            print(f"  {r['variant']:<16}  {r['error']}")
+        else:
+            print(
+                f"  {r['variant']:<16}  {r['seconds'] * 1e3:7.3f} ms  {r['kv_bytes_per_s'] / 1e12:5.2f} TB/s "
+                f"({100 * r['kv_bytes_per_s'] / bandwidth:3.0f}% of copy)  rel err {r['rel_err']:.1e}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
