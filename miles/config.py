@@ -89,6 +89,8 @@ class RolloutConfig:
     """Share prompt prefixes across requests through the radix cache."""
     cuda_graph: bool = True
     """Capture decode in CUDA graphs (GPU only)."""
+    fused_kernels: str = "auto"
+    """Compile RMSNorm / RoPE / SwiGLU into fused kernels: auto (CUDA with bf16/fp16) | on | off."""
     flashinfer_kernel: str = "fa2"
     """flashinfer's attention kernel family: fa2 | fa3 (Hopper; compiles its own kernels on first use)."""
     overlap_schedule: str = "auto"

@@ -152,6 +152,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--radix-cache", default="on", choices=["on", "off"])
     p.add_argument("--cuda-graph", default="on", choices=["on", "off"])
     p.add_argument("--flashinfer-kernel", default="fa2", choices=["fa2", "fa3"])
+    p.add_argument("--fused-kernels", default="auto", choices=["auto", "on", "off"])
     p.add_argument(
         "--overlap",
         default="auto",
@@ -211,6 +212,7 @@ def main(argv: list[str]) -> int:
         deterministic=a.deterministic,
         overlap_schedule=a.overlap,
         flashinfer_kernel=a.flashinfer_kernel,
+        fused_kernels=a.fused_kernels,
     )
     engine = Engine(model, None, cfg)
     gen = torch.Generator().manual_seed(a.seed)
@@ -251,6 +253,7 @@ def main(argv: list[str]) -> int:
         "radix_cache": a.radix_cache,
         "cuda_graph": a.cuda_graph == "on" and on_gpu,
         "overlap_schedule": engine.overlap,
+        "fused_kernels": engine.runner.fused_kernels,
         "page_size": a.page_size,
         "flashinfer_kernel": a.flashinfer_kernel if engine.backend == "flashinfer" else None,
         "wall_s": wall,

@@ -151,6 +151,7 @@ class Engine:
             self.det_chunk,
             graph_batch,
             cfg.flashinfer_kernel,
+            self._use_fused_kernels(cfg),
         )
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -174,6 +175,13 @@ class Engine:
         )
         self._in_flight: _Launched | None = None
         self.stats = EngineStats()
+
+    def _use_fused_kernels(self, cfg: RolloutConfig) -> bool:
+        if cfg.fused_kernels not in ("auto", "on", "off"):
+            raise ValueError(f"rollout.fused_kernels must be auto, on or off, got {cfg.fused_kernels!r}")
+        if cfg.fused_kernels == "auto":  # compiling pays off for large low-precision models on a GPU
+            return self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        return cfg.fused_kernels == "on"
 
     @classmethod
     def from_path(

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from miles.models import fused
 from miles.models.model import CausalLM
 from miles.models.moe import Experts, RoutingTrace
 from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
@@ -32,11 +33,13 @@ class ModelRunner:
         det_chunk_tokens: int,
         cuda_graph_max_batch: int,
         flashinfer_kernel: str = "fa2",
+        fused_kernels: bool = False,
     ) -> None:
         self.model, self.pool, self.table = model, pool, table
         self.backend = backend
         self.deterministic, self.det_chunk_tokens = deterministic, det_chunk_tokens
         self.is_moe = bool(model.args.moe_layer_ids)
+        self.fused_kernels = fused_kernels
         self.flashinfer = None
         if backend == "flashinfer":
             from miles.rollout.attention_flashinfer import FlashinferBackend
@@ -59,6 +62,10 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [S, V] of the sampling rows, routing [num_moe_layers, N, top_k] or None)."""
+        with fused.fused_kernels(self.fused_kernels):
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.deterministic:
             return self._forward_deterministic(batch)
         if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):

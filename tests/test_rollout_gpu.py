@@ -200,3 +200,36 @@ def test_overlap_schedule_on_cuda_matches_the_plain_loop() -> None:
         dropped[mode] = engine.stats.dropped_rows
     assert_agree_until_near_tie(model, outs["off"], outs["on"], logprob_tol=0.05, near_tie=0.5)
     assert dropped["off"] == 0 and dropped["on"] > 0, "early stops were meant to run a dropped row"
+
+
+def test_fused_kernels_match_the_eager_ones() -> None:
+    from miles.models import fused
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 8, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(37, 128, device="cuda").bfloat16(), torch.randn(37, 128, device="cuda").bfloat16()
+    cases = [
+        (fused.rms_norm, (x, w, 1e-6)),
+        (fused.rms_norm_rope, (x, w, 1e-6, cos, sin)),
+        (fused.add_rms_norm, (x[:, 0], x[:, 1], w, 1e-6)),
+        (fused.silu_mul, (x, x.flip(0))),
+    ]
+    for fn, args in cases:
+        eager = fn(*args)
+        with fused.fused_kernels():
+            out = fused.call(fn, *args)
+        for e, o in zip(
+            eager if isinstance(eager, tuple) else (eager,), out if isinstance(out, tuple) else (out,)
+        ):
+            assert float((o.float() - e.float()).norm() / e.float().norm()) < 1e-2, fn.__name__
+    assert not fused._failed, "torch.compile failed on this GPU; the engine fell back to eager kernels"
+    model = gpu_model(moe=True, seed=6)
+    eager_out = Engine(model, None, config(backend="flashinfer", fused_kernels="off")).generate(
+        PROMPTS, GREEDY
+    )
+    engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on"))
+    assert engine.runner.fused_kernels
+    assert_agree_until_near_tie(
+        model, eager_out, engine.generate(PROMPTS, GREEDY), logprob_tol=0.05, near_tie=0.5
+    )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from miles.models import fused
 from miles.models.args import ModelArgs
 from miles.models.attention import AttentionContext
 
@@ -19,11 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused.call(fused.rms_norm, x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -72,13 +68,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, D]; cos/sin: [N, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -107,10 +96,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q = fused.call(fused.rms_norm_rope, q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+            k = fused.call(fused.rms_norm_rope, k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+        else:
+            q, k = fused.call(fused.rope, q, cos, sin), fused.call(fused.rope, k, cos, sin)
         out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -123,4 +114,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.call(fused.silu_mul, self.gate_proj(x), self.up_proj(x)))

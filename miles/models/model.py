@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles.models import fused
 from miles.models.args import ModelArgs
 from miles.models.attention import AttentionContext, VarlenAttention
 from miles.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
@@ -37,8 +38,9 @@ class DecoderLayer(nn.Module):
         attn: AttentionContext,
         routing: RoutingTrace | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        h = self.post_attention_layernorm(x)
+        norm = self.post_attention_layernorm
+        delta = self.self_attn(self.input_layernorm(x), rope, attn)
+        x, h = fused.call(fused.add_rms_norm, x, delta, norm.weight, norm.eps)
         return x + (self.mlp(h, routing) if self.is_moe else self.mlp(h))
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles.models import fused
 from miles.models.args import ModelArgs
 
 
@@ -141,4 +142,5 @@ class Experts(nn.Module):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)
         gate_up = torch._grouped_mm(sorted_x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        hidden = fused.call(fused.silu_mul, gate, up)
+        return torch._grouped_mm(hidden, self.down_proj.transpose(-2, -1), offs=offsets)

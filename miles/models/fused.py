@@ -1,0 +1,90 @@
+"""The forward's elementwise chains (RMSNorm, RoPE, SwiGLU) as plain functions, optionally compiled.
+
+Eager, each chain is several small kernels (float32 upcast, square, mean, rsqrt, cast, scale, ...). In a
+large-batch decode step those kernels read and write [batch, hidden] tensors many times and cost about a
+quarter of the step. Inside `fused_kernels()` the same functions run through `torch.compile`, which turns
+each chain into one Triton kernel with the same math. The rollout engine switches it on for its own
+forwards on CUDA; everything else (the trainer, CPU) runs the eager functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): a residual add and the next norm."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, H, D]; cos/sin: [N, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Qwen3's per-head q/k norm followed by the rotary embedding."""
+    return rope(rms_norm(x, weight, eps), cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_enabled = False
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+_failed = False
+
+
+@contextmanager
+def fused_kernels(enabled: bool = True) -> Iterator[None]:
+    """Run `call(fn, ...)` through compiled kernels within this block."""
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def call(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), compiled when fused kernels are on."""
+    global _failed
+    if not _enabled or _failed:
+        return fn(*args)
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        # emulate_precision_casts keeps eager's intermediate roundings (e.g. the bf16 cast before the norm
+        # weight), so the engine's numbers stay those of the trainer's eager forward.
+        compiled = _compiled[fn] = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
+    try:
+        return compiled(*args)
+    except Exception as err:  # no Triton / compiler here: the eager kernels give the same results
+        _failed = True
+        log.warning("fused kernels unavailable (%s: %s); running the eager ones", type(err).__name__, err)
+        return fn(*args)

@@ -1,0 +1,56 @@
+"""`miles.models.fused`: eager by default, compiled only inside `fused_kernels()`, eager again if compiling fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from miles.models import fused
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "_compiled", {})
+    monkeypatch.setattr(fused, "_failed", False)
+
+
+def test_outside_the_block_nothing_is_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.compile must not be called outside fused_kernels()")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    x = torch.randn(3, 8)
+    assert torch.equal(fused.call(fused.silu_mul, x, x), torch.nn.functional.silu(x) * x)
+    with fused.fused_kernels(False):
+        fused.call(fused.rms_norm, x, torch.ones(8), 1e-6)
+
+
+def test_a_failed_compile_falls_back_to_eager_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    compiled_calls = []
+
+    def broken_compile(fn: object, **kwargs: object) -> object:
+        def run(*args: object) -> None:
+            compiled_calls.append(fn)
+            raise RuntimeError("no triton here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    x, w = torch.randn(4, 16), torch.randn(16)
+    with caplog.at_level(logging.WARNING, logger="miles.models.fused"), fused.fused_kernels():
+        first = fused.call(fused.rms_norm, x, w, 1e-6)
+        second = fused.call(fused.rms_norm, x, w, 1e-6)
+    assert torch.equal(first, fused.rms_norm(x, w, 1e-6)) and torch.equal(second, first)
+    assert len(compiled_calls) == 1, "after one failure the eager kernels are used directly"
+    assert "fused kernels unavailable" in caplog.text
+
+
+def test_add_rms_norm_is_the_residual_add_then_the_norm() -> None:
+    x, delta, w = torch.randn(5, 32), torch.randn(5, 32), torch.randn(32)
+    total, normed = fused.add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, fused.rms_norm(x + delta, w, 1e-6))
