@@ -5,7 +5,9 @@ sequences (decodes) go together through one SDPA call; the query heads that shar
 into the query dimension, so keys and values are never repeated for grouped-query attention. On CPU,
 decodes whose requests share a cached prefix (the `n` samples of a group) attend to that prefix once per
 group ("cascade" attention): prefix and own-suffix partial results are merged through their log-sum-exp.
-Longer sequences (prefill chunks) go one at a time.
+Everything that indexing needs (decode order, KV slots, masks, gather buffers) is planned once per step,
+so that a layer runs only gathers, two attention kernels and the merge. Longer sequences (prefill chunks)
+go one at a time.
 
 `RowwiseAttention` is the deterministic variant: every query row attends over exactly its own prefix in a
 call of its own, so its result cannot depend on which other rows share the step.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,154 +29,200 @@ _MIN_SHARED_PREFIX = 16
 """Shorter shared prefixes are not worth a separate attention call."""
 
 
-def _attention_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+def _flash_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, Lq, D], k/v [B, H, Lk, D] -> (out [B, H, Lq, D], logsumexp of the scores [B, H, Lq] float32)."""
-    if q.device.type == "cpu":
-        bias = None
-        if mask is not None:  # the kernel takes an additive mask
-            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=bias, scale=scale
-        )
-        return out, lse.float()
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(q.dtype), lse
+    """CPU flash attention: q [B, H, Lq, D], k/v [B, H, Lk, D], additive `bias` broadcast over the scores
+    -> (out [B, H, Lq, D], logsumexp of the scores [B, H, Lq] float32)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=bias, scale=scale
+    )
+    return out, lse.float()
+
+
+def _step_mask(valid: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The mask as SDPA takes it; on CPU the additive form, built once per step instead of once per layer."""
+    mask = torch.from_numpy(valid).to(device)
+    if device.type != "cpu":
+        return mask
+    return torch.zeros(valid.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+
+def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one chunk, the last Tq of Tk positions: q [Tq, Hq, D], keys/values [Tk, Hkv, D]."""
+    if q.device.type != "cpu":
+        return sdpa(q, keys, values, scale, causal=True)
+    # SDPA's grouped-query mode has only the unfused kernel on CPU: repeating the KV heads of one chunk costs
+    # less, and lets the fused (flash) kernel run on [1, Hq, T, D].
+    (tq, hq, _), (tk, hkv, _) = q.shape, keys.shape
+    keys = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]
+    values = values.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)[None]
+    mask = None if tq == tk else torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None, scale=scale
+    )
+    return out[0].transpose(0, 1)
+
+
+def _table_slots(table: RequestTable, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+    """int64 KV slots `table[rows[i], cols[i, j]]`, indexed on the host and gathered in one call."""
+    flat = torch.from_numpy(rows[:, None] * table.max_context + cols).to(table.table.device)
+    return table.table.view(-1).index_select(0, flat.view(-1)).view(flat.shape).long()
 
 
 @dataclass
 class _SharedPrefixes:
-    """Decodes grouped by a shared cached prefix, padded to [groups, max members] and [groups, max prefix]."""
+    """Decodes grouped by a shared cached prefix. They come first in the decode order, group by group, so that
+    a group's queries and own-suffix results are plain rows of the decode tensors."""
 
-    members: torch.Tensor
-    """[G, M] indices into the decode list (padding repeats a valid member)."""
-    valid: torch.Tensor
-    """[G, M] which entries of `members` are real."""
+    groups: int
+    width: int
+    """The most members of any group."""
+    members: int
+    """Grouped decodes in all: the first `members` rows of the decode order."""
+    padded: torch.Tensor | None
+    """[G * width] decode rows laid out [group, member], padding repeating a member of the group; None when
+    every group has `width` members (then the rows are that layout as they come)."""
+    real: torch.Tensor | None
+    """[members] the real entries of that padded layout; None without padding."""
     slots: torch.Tensor
     """[G, P] KV slots of each group's prefix (padded with slot 0)."""
-    mask: torch.Tensor | None
-    """[G, 1, 1, P] True on real prefix positions; None when all prefixes have the same length."""
+    bias: torch.Tensor | None
+    """[G, 1, 1, P] additive mask, -inf past a shorter prefix; None when all prefixes have the same length."""
+    buffers: tuple[torch.Tensor, torch.Tensor]
+    """Gather targets for the prefix keys and values, reused by every layer of the step."""
 
 
 class TorchPagedAttention:
     def __init__(self, pool: KVPool, table: RequestTable, batch: ForwardBatch) -> None:
         self.pool, self.out_slots = pool, batch.out_slots
         starts = batch.q_starts
-        decodes = [i for i, n in enumerate(batch.q_lens) if n == 1]
-        self.dec_tokens: torch.Tensor | None = None
-        self.shared: _SharedPrefixes | None = None
-        if decodes:
-            self._plan_decodes(table, batch, decodes, [starts[i] for i in decodes])
         self.prefills = [
             (starts[i], starts[i + 1], table.table[batch.rows[i], : batch.kv_lens[i]].long())
             for i, n in enumerate(batch.q_lens)
             if n > 1
         ]
+        self.dec_tokens: torch.Tensor | None = None
+        self.dec_in_place = False
+        self.shared: _SharedPrefixes | None = None
+        decodes = [i for i, n in enumerate(batch.q_lens) if n == 1]
+        if decodes:
+            self._plan_decodes(table, batch, decodes, starts)
 
     def _plan_decodes(
-        self, table: RequestTable, batch: ForwardBatch, decodes: list[int], tokens: list[int]
+        self, table: RequestTable, batch: ForwardBatch, decodes: list[int], starts: list[int]
     ) -> None:
-        device = self.pool.device
-        kv_lens = [batch.kv_lens[i] for i in decodes]
-        prefix = [0] * len(decodes)
+        device, lay = self.pool.device, self.pool.layout
+        groups: list[tuple[int, list[int]]] = []  # (shared prefix length, members as batch indices)
         if device.type == "cpu" and batch.prefix_groups is not None:
-            members: dict[tuple[int, int], list[int]] = {}
-            for j, i in enumerate(decodes):
+            found: dict[tuple[int, int], list[int]] = {}
+            for i in decodes:
                 key, length = batch.prefix_groups[i], batch.prefix_lens[i]  # type: ignore[index]
-                if key >= 0 and _MIN_SHARED_PREFIX <= length < kv_lens[j]:
-                    members.setdefault((key, length), []).append(j)
-            groups = [(length, idx) for (_, length), idx in members.items() if len(idx) >= 2]
-            if groups:
-                self.shared = self._plan_groups(table, batch, decodes, groups)
-                for length, idx in groups:
-                    for j in idx:
-                        prefix[j] = length
-        suffix = [n - p for n, p in zip(kv_lens, prefix)]
-        width = max(suffix)
-        rows = torch.tensor([batch.rows[i] for i in decodes], device=device)
-        first = torch.tensor(prefix, device=device)
-        cols = (first[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=table.max_context - 1)
-        self.dec_tokens = torch.tensor(tokens, device=device)
-        self.dec_slots = table.table[rows[:, None], cols].long()
-        shape = (len(decodes), width, self.pool.layout.num_kv_heads, self.pool.layout.head_dim)
+                if key >= 0 and _MIN_SHARED_PREFIX <= length < batch.kv_lens[i]:
+                    found.setdefault((key, length), []).append(i)
+            groups = [(length, idx) for (_, length), idx in found.items() if len(idx) >= 2]
+        prefix = {i: length for length, idx in groups for i in idx}
+        order = np.array([i for _, idx in groups for i in idx] + [i for i in decodes if i not in prefix])
+        if groups:
+            self.shared = self._plan_groups(table, batch, groups)
+        tokens = np.asarray(starts)[order]
+        # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the output.
+        self.dec_in_place = not self.prefills and bool((tokens == np.arange(len(order))).all())
+        self.dec_tokens = torch.from_numpy(tokens).to(device)
+        first = np.array([prefix.get(i, 0) for i in order.tolist()])
+        suffix = np.asarray(batch.kv_lens)[order] - first
+        width = int(suffix.max())
+        cols = np.minimum(first[:, None] + np.arange(width), table.max_context - 1)
+        # Position-major: a step's decodes usually got their slots together, so this reads the pool in order.
+        self.dec_slots = _table_slots(table, np.asarray(batch.rows)[order], cols).T.contiguous()
+        shape = (width, len(order), lay.num_kv_heads, lay.head_dim)
         self.dec_buffers = (
-            torch.empty(shape, dtype=self.pool.layout.dtype, device=device),
-            torch.empty(shape, dtype=self.pool.layout.dtype, device=device),
+            torch.empty(shape, dtype=lay.dtype, device=device),
+            torch.empty(shape, dtype=lay.dtype, device=device),
         )
         # Equal lengths (e.g. the samples of a group) need no mask, which lets SDPA take its fused kernel.
-        lens = torch.tensor(suffix, device=device)
-        valid = torch.arange(width, device=device)[None, :] < lens[:, None]
-        self.dec_mask = None if min(suffix) == width else valid[:, None, None, :]
+        self.dec_mask: torch.Tensor | None = None
+        if suffix.min() < width:
+            self.dec_mask = _step_mask(
+                (np.arange(width) < suffix[:, None])[:, None, None, :], lay.dtype, device
+            )
 
     def _plan_groups(
-        self,
-        table: RequestTable,
-        batch: ForwardBatch,
-        decodes: list[int],
-        groups: list[tuple[int, list[int]]],
+        self, table: RequestTable, batch: ForwardBatch, groups: list[tuple[int, list[int]]]
     ) -> _SharedPrefixes:
-        device = self.pool.device
-        width = max(len(idx) for _, idx in groups)
-        longest = max(length for length, _ in groups)
-        members = torch.tensor([idx + [idx[0]] * (width - len(idx)) for _, idx in groups], device=device)
-        valid = (
-            torch.arange(width, device=device)[None, :]
-            < torch.tensor([len(i) for _, i in groups], device=device)[:, None]
+        device, lay = self.pool.device, self.pool.layout
+        sizes = [len(idx) for _, idx in groups]
+        width = max(sizes)
+        padded = real = None
+        if min(sizes) < width:
+            layout, entries, start = [], [], 0
+            for g, size in enumerate(sizes):
+                layout += [*range(start, start + size), *[start] * (width - size)]
+                entries += range(g * width, g * width + size)
+                start += size
+            padded, real = torch.tensor(layout, device=device), torch.tensor(entries, device=device)
+        lengths = np.array([length for length, _ in groups])
+        positions = np.arange(lengths.max())
+        beyond = positions >= lengths[:, None]
+        rows = np.array([batch.rows[idx[0]] for _, idx in groups])
+        slots = _table_slots(table, rows, np.where(beyond, 0, positions))
+        bias = None
+        if beyond.any():
+            slots.masked_fill_(torch.from_numpy(beyond).to(device), 0)
+            bias = _step_mask(~beyond[:, None, None, :], lay.dtype, device)
+        shape = (len(groups), len(positions), lay.num_kv_heads, lay.head_dim)
+        buffers = (
+            torch.empty(shape, dtype=lay.dtype, device=device),
+            torch.empty(shape, dtype=lay.dtype, device=device),
         )
-        rows = torch.tensor([batch.rows[decodes[idx[0]]] for _, idx in groups], device=device)
-        lengths = torch.tensor([length for length, _ in groups], device=device)
-        positions = torch.arange(longest, device=device)[None, :]
-        slots = table.table[rows[:, None], positions].long().masked_fill(positions >= lengths[:, None], 0)
-        uniform = all(length == longest for length, _ in groups)
-        mask = None if uniform else (positions < lengths[:, None])[:, None, None, :]
-        return _SharedPrefixes(members, valid, slots, mask)
+        return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias, buffers)
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         self.pool.write(layer_idx, self.out_slots, k, v)
+        if self.dec_in_place:
+            return self._decode(layer_idx, q, scale).reshape(q.shape)
         out = torch.empty_like(q)
         if self.dec_tokens is not None:
-            out[self.dec_tokens] = self._decode(layer_idx, q[self.dec_tokens], scale)
+            dec = self._decode(layer_idx, q.index_select(0, self.dec_tokens), scale)
+            out.view(len(out), *dec.shape[1:]).index_copy_(0, self.dec_tokens, dec)
         for start, end, slots in self.prefills:
             keys, values = self.pool.gather(layer_idx, slots)
-            out[start:end] = sdpa(q[start:end], keys, values, scale, causal=True)
+            out[start:end] = _prefill(q[start:end], keys, values, scale)
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Hq, D] -> [B, Hq, D]; the Hq / Hkv query heads of each KV head ride in the query dimension."""
+        """q [B, Hq, D] in decode order -> [B, Hkv, Hq / Hkv, D] (in any memory layout); the query heads of
+        each KV head ride in the query dimension."""
         b, hq, d = q.shape
         hkv = self.pool.layout.num_kv_heads
-        qg = q.view(b, hkv, hq // hkv, d)
-        keys, values = self.pool.gather(layer_idx, self.dec_slots, self.dec_buffers)  # [B, L, Hkv, D]
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        qg = q.reshape(b, hkv, hq // hkv, d)
+        keys, values = self.pool.gather(layer_idx, self.dec_slots, self.dec_buffers)  # [L, B, Hkv, D]
+        keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
         if self.shared is None:
-            return F.scaled_dot_product_attention(
-                qg, keys, values, attn_mask=self.dec_mask, scale=scale
-            ).reshape(b, hq, d)  # CUDA SDPA kernels may return a transposed (non-contiguous) layout
-        out, lse = _attention_lse(qg, keys, values, self.dec_mask, scale)
+            return F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.dec_mask, scale=scale)
+        out, lse = _flash_lse(qg, keys, values, self.dec_mask, scale)
         sh = self.shared
-        groups, width = sh.members.shape
-        pk, pv = self.pool.gather(layer_idx, sh.slots)  # [G, P, Hkv, D]
+        g, m = sh.groups, sh.width
+        grouped = qg[: g * m] if sh.padded is None else qg.index_select(0, sh.padded)
         # Every member's queries against its group's one prefix: [G, Hkv, M * (Hq / Hkv), D].
-        gq = qg[sh.members].permute(0, 2, 1, 3, 4).reshape(groups, hkv, -1, d)
-        p_out, p_lse = _attention_lse(gq, pk.transpose(1, 2), pv.transpose(1, 2), sh.mask, scale)
-        p_out = p_out.reshape(groups, hkv, width, -1, d).permute(0, 2, 1, 3, 4)[
-            sh.valid
-        ]  # [members, Hkv, G, D]
-        p_lse = p_lse.reshape(groups, hkv, width, -1).permute(0, 2, 1, 3)[sh.valid]
-        idx = sh.members[sh.valid]
-        s_out, s_lse = out[idx].float(), lse[idx]
-        total = torch.logaddexp(p_lse, s_lse)
-        merged = (
-            p_out.float() * torch.exp(p_lse - total)[..., None] + s_out * torch.exp(s_lse - total)[..., None]
-        )
-        out[idx] = merged.to(out.dtype)
-        return out.reshape(b, hq, d)
+        gq = grouped.view(g, m, hkv, -1, d).transpose(1, 2).reshape(g, hkv, -1, d)
+        pk, pv = self.pool.gather(layer_idx, sh.slots, sh.buffers)  # [G, P, Hkv, D]
+        p_out, p_lse = _flash_lse(gq, pk.transpose(1, 2), pv.transpose(1, 2), sh.bias, scale)
+        p_out = p_out.view(g, hkv, m, -1, d).transpose(1, 2)  # [G, M, Hkv, Hq / Hkv, D]
+        p_lse = p_lse.view(g, hkv, m, -1).transpose(1, 2)
+        own, own_lse = out[: sh.members], lse[: sh.members]
+        if sh.real is None:
+            own, own_lse = own.view(g, m, hkv, -1, d), own_lse.view(g, m, hkv, -1)
+        else:
+            p_out = p_out.reshape(g * m, hkv, -1, d).index_select(0, sh.real)
+            p_lse = p_lse.reshape(g * m, hkv, -1).index_select(0, sh.real)
+        # Softmax over prefix and own suffix together: the partial results weighted by their shares of the
+        # total mass, exp(p_lse) / (exp(p_lse) + exp(own_lse)) for the prefix.
+        weight = torch.sigmoid(p_lse - own_lse).unsqueeze(-1)
+        own.copy_(torch.lerp(own.float(), p_out.float(), weight))
+        return out
 
 
 class RowwiseAttention:

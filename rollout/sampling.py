@@ -13,7 +13,8 @@ which is what a trainer scoring the same token at temperature 1 recomputes.
 Randomness: one uniform number per (request seed, response position), made on the host by a counter-based
 hash (splitmix64), so a request's draws do not depend on the batch it runs in, on preemption, or on the
 device. The token is drawn by inverse CDF over the (sorted, when filtered) probabilities, accumulated in
-float64 so that even very unlikely tokens keep their probability.
+float64 so that even very unlikely tokens keep their probability. Unfiltered rows skip the normalisation:
+they draw over the weights exp(logits / temperature - max), whose float64 total scales the uniform number.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class SamplingTensors:
     any_greedy: bool
     all_greedy: bool
     any_filter: bool
+    unit_temperature: bool = False
+    """Every row has temperature 0 or 1, so no row needs dividing (x / 1 == x exactly)."""
 
     @classmethod
     def build(
@@ -97,6 +100,7 @@ class SamplingTensors:
             any_greedy=any(greedy),
             all_greedy=all(greedy),
             any_filter=any_filter,
+            unit_temperature=all(t in (0.0, 1.0) for t in temperature),
         )
 
     def rows(self, index: torch.Tensor | slice) -> SamplingTensors:
@@ -109,6 +113,7 @@ class SamplingTensors:
             self.any_greedy,
             self.all_greedy,
             self.any_filter,
+            self.unit_temperature,
         )
 
 
@@ -139,27 +144,38 @@ def filtered_logprobs(
 _CDF_BLOCK = 1024
 
 
-def _inverse_cdf(logq: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Index drawn from each row of exp(logq) by inverse CDF, accumulated in float64.
+def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index drawn from each row of `weights` (probabilities up to a per-row scale) by inverse CDF,
+    accumulated in float64; and each row's total weight (float64).
 
     Two levels keep it cheap on a large vocabulary: pick a block of 1024 tokens from the blocks' masses,
     then a token inside that block. Neither level ever picks a zero-probability block or token.
     """
-    probs = torch.exp(logq.float())
-    rows, vocab = probs.shape
+    rows, vocab = weights.shape
     pad = (-vocab) % _CDF_BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(rows, -1, _CDF_BLOCK)
-    mass = blocks.sum(dim=-1, dtype=torch.float64)
+    probs = torch.empty(rows, vocab + pad, dtype=torch.float64, device=weights.device)
+    probs[:, :vocab] = weights  # one float64 copy, padded, that the sums below share
+    if pad:
+        probs[:, vocab:] = 0.0
+    blocks = probs.view(rows, -1, _CDF_BLOCK)
+    mass = blocks.sum(dim=-1)
     cdf = torch.cumsum(mass, dim=-1)
-    target = uniform * cdf[:, -1]
-    block = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    block = torch.minimum(block, (cdf < cdf[:, -1:]).sum(dim=-1))  # the last block with mass
-    inside = target - (cdf.gather(-1, block[:, None]) - mass.gather(-1, block[:, None])).squeeze(-1)
-    chosen = blocks[torch.arange(rows, device=probs.device), block].double()
-    inner_cdf = torch.cumsum(chosen, dim=-1)
-    token = torch.searchsorted(inner_cdf, inside[:, None], right=True).squeeze(-1)
-    token = torch.minimum(token, (inner_cdf < inner_cdf[:, -1:]).sum(dim=-1))
-    return block * _CDF_BLOCK + token
+    target = uniform[:, None] * cdf[:, -1:]
+    block = _draw(cdf, target)
+    inside = target - (cdf.gather(-1, block) - mass.gather(-1, block))
+    flat = torch.arange(rows, device=probs.device) * blocks.shape[1] + block.squeeze(-1)
+    inner_cdf = torch.cumsum(blocks.view(-1, _CDF_BLOCK).index_select(0, flat), dim=-1)
+    token = (block * _CDF_BLOCK + _draw(inner_cdf, inside)).squeeze(-1)
+    return token.clamp_(max=vocab - 1), cdf[:, -1]  # the clamp only ever moves NaN rows out of the padding
+
+
+def _draw(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] index of the first entry of each (non-decreasing) cdf row above target, capped at the last
+    entry that adds mass: the first one that reaches the row's total, found by bisection like the draw.
+    Rows of NaN (e.g. the padding rows of deterministic mode) still get an index in range."""
+    drawn = torch.searchsorted(cdf, target, right=True)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
+    return torch.minimum(drawn, last).clamp_(max=cdf.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,16 +185,21 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor,
         tokens = torch.argmax(logits, dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     greedy = params.temperature == 0.0
-    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    temperature = params.temperature
+    if params.any_greedy:
+        temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
     if params.any_filter:
         logq, ids = filtered_logprobs(logits, temperature, params.top_k, params.top_p, params.min_p)
-        idx = _inverse_cdf(logq, params.uniform)
+        idx, _ = _inverse_cdf(torch.exp(logq), params.uniform)
         tokens = ids.gather(-1, idx[:, None]).squeeze(-1)
         logprobs = logq.gather(-1, idx[:, None]).squeeze(-1)
     else:
-        logq = torch.log_softmax(logits / temperature[:, None], dim=-1)
-        tokens = _inverse_cdf(logq, params.uniform)
-        logprobs = logq.gather(-1, tokens[:, None]).squeeze(-1)
+        scaled = logits if params.unit_temperature else logits / temperature[:, None]
+        # No softmax over the vocabulary: the draw scales with the total of the weights exp(scaled - max), and
+        # log q(token) = (scaled - max)[token] - log(total).
+        top = scaled.amax(dim=-1, keepdim=True)
+        tokens, total = _inverse_cdf((scaled - top).exp_(), params.uniform)
+        logprobs = ((scaled.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log()).float()
     if params.any_greedy:
         argmax = torch.argmax(logits, dim=-1)
         greedy_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None]).squeeze(-1)

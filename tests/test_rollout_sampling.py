@@ -152,3 +152,41 @@ def test_draws_follow_the_distribution_across_cdf_blocks() -> None:
     observed = torch.cat([counts[heavy], counts[light].sum()[None]])
     _, p_value = chisquare(observed.numpy(), (expected / expected.sum() * draws).numpy())
     assert p_value > 1e-4, (observed, expected)
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_a_draw_at_the_top_of_the_cdf_takes_the_last_token_with_mass(top_k: int) -> None:
+    # u * total can round onto the total (forced here with u = 1): the draw must stop at the last token that
+    # has any mass (here before whole 1024-token blocks of none), never run into the masked or filtered tail.
+    vocab, rows = 2500, 4
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2))
+    logits[:, 1500:] = float("-inf")
+    st = SamplingTensors.build(
+        [1.0, 0.7, 1.3, 1.0],
+        [top_k] * rows,
+        [1.0] * rows,
+        [0.0] * rows,
+        np.ones(rows),
+        vocab,
+        torch.device("cpu"),
+    )
+    tokens, logprobs = sample(logits, st)
+    expected = 1499 if top_k < 0 else logits.argsort(dim=-1, descending=True)[:, top_k - 1]
+    assert (tokens == expected).all() and torch.isfinite(logprobs).all()
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_a_nan_row_gets_a_token_in_range_and_leaves_the_others_alone(top_k: int) -> None:
+    # Deterministic mode pads a step with rows whose logits end up NaN; their tokens are dropped, but must
+    # still index the vocabulary.
+    vocab = 2500
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    logits[1] = float("nan")
+    tokens, logprobs = sample(logits, tensors(3, vocab, 1.0, top_k, 1.0, 0.0))
+    assert 0 <= int(tokens[1]) < vocab
+    alone = [
+        sample(logits[i : i + 1], tensors(3, vocab, 1.0, top_k, 1.0, 0.0).rows(slice(i, i + 1)))
+        for i in (0, 2)
+    ]
+    assert tokens[[0, 2]].tolist() == [int(t) for t, _ in alone]
+    assert logprobs[[0, 2]].tolist() == [float(lp) for _, lp in alone]
