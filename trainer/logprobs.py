@@ -1,7 +1,9 @@
 """Per-token logprobs (and entropy) of the response tokens of a packed micro-batch.
 
 Logits are computed only at the rows that predict response tokens (prompt rows never reach the LM head),
-outside autocast and in float32, so a bf16 trainer still measures logprobs at full precision.
+outside autocast and in float32, so a bf16 trainer still measures logprobs at full precision; and a chunk
+of rows at a time (recomputed in the backward), so a large vocabulary never holds [tokens, vocab] float32
+tensors for autograd.
 """
 
 from __future__ import annotations
@@ -53,14 +55,105 @@ def packed_logprobs(
             batch.input_ids, batch.positions, VarlenAttention(batch.cu_seqlens), routing
         )
     hidden = out.hidden[batch.target_rows].to(model.dtype)
-    logits = model.compute_logits(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = F.log_softmax(logits, dim=-1)
-    token_logprobs = log_probs.gather(-1, batch.targets[:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            source = log_probs if entropy_grad else log_probs.detach()
-            entropy = -(source.exp() * source).sum(-1)
-    return TokenLogprobs(logprobs=token_logprobs, entropy=entropy)
+    logprobs, entropy = chunked_logprobs(
+        hidden, model.lm_head.weight, batch.targets, temperature, with_entropy, entropy_grad
+    )
+    return TokenLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+_CHUNK_BYTES = 256 * 1024 * 1024
+"""float32 logits held at once: [rows, vocab] chunks of about this size (1 chunk for small vocabularies)."""
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int = _CHUNK_BYTES) -> int:
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    rows_per_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(hidden @ weight.T / T)[target] (and the entropy) per row, float32.
+
+    The [rows, vocab] float32 logits exist one chunk of rows at a time, in the forward and again in the
+    backward (recomputed), instead of several whole copies kept for autograd: with a 152k vocabulary and
+    16k response tokens that is tens of GB on a GPU.
+    """
+    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    entropy_grad = entropy_grad and with_entropy and torch.is_grad_enabled()
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        hidden, weight, targets, 1.0 / temperature, rows, with_entropy, entropy_grad
+    )
+    return logprobs, (entropy if with_entropy else None)
+
+
+def _chunk_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log q [rows, vocab] float32, log q[target] [rows]) of one chunk."""
+    logits = F.linear(hidden, weight).float()
+    if inv_temp != 1.0:
+        logits = logits * inv_temp
+    log_q = F.log_softmax(logits, dim=-1)
+    return log_q, log_q.gather(-1, targets[:, None]).squeeze(-1)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        inv_temp: float,
+        rows: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, rows):
+            log_q, picked = _chunk_stats(hidden[s : s + rows], weight, targets[s : s + rows], inv_temp)
+            logprobs[s : s + rows] = picked
+            if with_entropy:
+                entropy[s : s + rows] = -(log_q.exp() * log_q).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.inv_temp, ctx.rows, ctx.entropy_grad = inv_temp, rows, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_logprobs: torch.Tensor,
+        grad_entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets = ctx.saved_tensors  # type: ignore[attr-defined]
+        inv_temp, rows = ctx.inv_temp, ctx.rows  # type: ignore[attr-defined]
+        use_entropy = ctx.entropy_grad and grad_entropy is not None  # type: ignore[attr-defined]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, hidden.shape[0], rows):
+            h = hidden[s : s + rows]
+            log_q, _ = _chunk_stats(h, weight, targets[s : s + rows], inv_temp)
+            q = log_q.exp()
+            # d log q[t] / d z = onehot(t) - q;  d H / d z = -q * (log q + H)
+            grad = -q * grad_logprobs[s : s + rows, None]
+            grad.scatter_add_(-1, targets[s : s + rows, None], grad_logprobs[s : s + rows, None])
+            if use_entropy:
+                ent = -(q * log_q).sum(-1, keepdim=True)
+                grad -= q * (log_q + ent) * grad_entropy[s : s + rows, None]  # type: ignore[index]
+            if inv_temp != 1.0:
+                grad *= inv_temp
+            grad = grad.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s : s + rows] = grad @ weight
+            grad_weight += (grad.t() @ h).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
