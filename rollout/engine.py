@@ -8,9 +8,7 @@ expose the same loop one step at a time.
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,22 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from miles.config import RolloutConfig
-from miles.models.checkpoint import from_pretrained, hf_to_internal
+from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
-from miles.rollout.model_runner import ModelRunner
+from miles.rollout.model_runner import ModelRunner, resolve_backend
+from miles.rollout.outputs import finish_status, to_sample
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
 from miles.rollout.sampling import SamplingTensors, derive_seed, sample, uniforms
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
+from miles.rollout.weights import WeightsInput, load_weights
 from miles.sample import Sample, SampleStatus
-
-WeightsInput = (
-    Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[Mapping[str, torch.Tensor]]
-)
 
 _DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
 """Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
@@ -85,28 +81,6 @@ class _Launched:
     """[2, S] float64 tokens and logprobs, copied to (pinned) host memory behind the step."""
     done: torch.cuda.Event | None
     """Recorded after that copy (CUDA); None when the copy is synchronous."""
-
-
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if name == "auto":
-        ok = device.type == "cuda" and has_flashinfer and dtype in (torch.bfloat16, torch.float16)
-        return "flashinfer" if ok else "torch"
-    if name == "torch":
-        return name
-    if name == "flashinfer":
-        if device.type != "cuda":
-            raise ValueError(
-                "rollout.backend=flashinfer needs a CUDA device; use rollout.backend=torch on CPU"
-            )
-        if not has_flashinfer:
-            raise ImportError("rollout.backend=flashinfer needs flashinfer: pip install 'miles[gpu]'")
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"flashinfer kernels run bf16/fp16 models, not {dtype}; use rollout.backend=torch"
-            )
-        return name
-    raise ValueError(f"rollout.backend must be auto, torch or flashinfer, got {name!r}")
 
 
 class Engine:
@@ -366,7 +340,7 @@ class Engine:
                 for req in self.scheduler.waiting:
                     req.output_ids, req.logprobs, req.stop_text = [], [], None
         self.flush_cache()
-        self._load(weights)
+        load_weights(self.model, weights)
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
     def flush_cache(self) -> None:
@@ -415,6 +389,7 @@ class Engine:
             "rollout/decode_s": s.decode_s,
             "rollout/aborted": float(s.aborted),
             "rollout/truncated": float(s.truncated),
+            "rollout/dropped_rows": float(s.dropped_rows),
             "rollout/weight_version": float(self._weight_version),
         }
         if reset:
@@ -528,7 +503,7 @@ class Engine:
             req.output_ids[-1], req.logprobs[-1] = int(tokens[j]), float(logprobs[j])
             req.pending_index = -1
             self.stats.output_tokens += 1
-            status = self._finish_status(req)
+            status = finish_status(req, self.eos_ids, self.max_context, self.tokenizer)
             if status is not None:
                 finished.append(self._finish(req, status))
         return finished
@@ -617,29 +592,6 @@ class Engine:
             return sample(logits, st)
         return torch.cat([t for t, _ in out])[:num], torch.cat([lp for _, lp in out])[:num]
 
-    def _finish_status(self, req: Request) -> SampleStatus | None:
-        p = req.params
-        token = req.output_ids[-1]
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return SampleStatus.COMPLETED
-        if p.stop and self._hit_stop_string(req):
-            return SampleStatus.COMPLETED
-        if req.remaining_tokens <= 0 or req.seq_len >= self.max_context:
-            return SampleStatus.TRUNCATED
-        return None
-
-    def _hit_stop_string(self, req: Request) -> bool:
-        window = max(len(s) for s in req.params.stop) + 8
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
-        if not any(s in tail for s in req.params.stop):
-            return False
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        if not cuts:
-            return False
-        req.stop_text = text[: min(cuts)]
-        return True
-
     def _finish(self, req: Request, status: SampleStatus, error: str | None = None) -> Sample:
         req.status, req.error = status, error
         # Finished while its next step is queued (overlap): that step's KV slots are the request's too.
@@ -650,7 +602,8 @@ class Engine:
         self.scheduler.remove(req)
         self.stats.aborted += status == SampleStatus.ABORTED
         self.stats.truncated += status == SampleStatus.TRUNCATED
-        sample = self._to_sample(req, routed)
+        prompt_text = self._prompt_texts.pop(req.rid, "")
+        sample = to_sample(req, self.tokenizer, self._weight_version, prompt_text, routed)
         self._results[req.rid] = sample
         del self._requests[req.rid]
         return sample
@@ -663,61 +616,3 @@ class Engine:
         fed = len(req.prompt_ids) + len(req.output_ids) - 1
         slots = self.kv.table.table[req.row, :fed].long()
         return self.pool.routing[slots].tolist()
-
-    def _to_sample(self, req: Request, routed: list[list[list[int]]] | None) -> Sample:
-        src = req.source
-        text = req.stop_text
-        if text is None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
-        metadata = dict(src.metadata) if src is not None else {}
-        if req.error is not None:
-            metadata["error"] = req.error
-        prompt: Any = src.prompt if src is not None else self._prompt_texts.pop(req.rid, "")
-        return Sample(
-            prompt=prompt,
-            prompt_ids=list(req.prompt_ids),
-            response_ids=list(req.output_ids),
-            response_text=text,
-            rollout_logprobs=list(req.logprobs),
-            loss_mask=[1] * len(req.output_ids),
-            group_id=req.group_id,
-            index=req.index,
-            label=src.label if src is not None else None,
-            metadata=metadata,
-            status=req.status,
-            weight_version=self._weight_version,
-            routed_experts=routed,
-        )
-
-    def _load(self, weights: WeightsInput) -> None:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for name, tensor in hf_to_internal(_named_tensors(weights), self.args):
-                target = params.get(name)
-                if target is None:
-                    raise KeyError(
-                        f"update_weights: {name!r} is not a parameter of this {self.args.model_type} model "
-                        "(names look like 'model.layers.0.self_attn.q_proj.weight')"
-                    )
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"update_weights: {name} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-
-
-def _named_tensors(weights: WeightsInput) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(weights, Mapping):
-        yield from weights.items()
-        return
-    for item in weights:
-        if isinstance(item, Mapping):
-            yield from item.items()
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            yield item  # type: ignore[misc]
-        elif isinstance(item, (list, tuple)):
-            yield from item
-        else:
-            raise TypeError(
-                f"update_weights takes a dict, (name, tensor) pairs or buckets of them, got {type(item)}"
-            )

@@ -8,6 +8,7 @@ and MoE experts in fixed blocks, so a request's logits do not depend on its batc
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,6 +21,28 @@ from miles.models.moe import Experts, RoutingTrace
 from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_pool import KVPool, RequestTable
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    if name == "auto":
+        ok = device.type == "cuda" and has_flashinfer and dtype in (torch.bfloat16, torch.float16)
+        return "flashinfer" if ok else "torch"
+    if name == "torch":
+        return name
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(
+                "rollout.backend=flashinfer needs a CUDA device; use rollout.backend=torch on CPU"
+            )
+        if not has_flashinfer:
+            raise ImportError("rollout.backend=flashinfer needs flashinfer: pip install 'miles[gpu]'")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"flashinfer kernels run bf16/fp16 models, not {dtype}; use rollout.backend=torch"
+            )
+        return name
+    raise ValueError(f"rollout.backend must be auto, torch or flashinfer, got {name!r}")
 
 
 class ModelRunner:
