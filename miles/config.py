@@ -97,6 +97,14 @@ class RolloutConfig:
     """Plan step t+1 while the device runs step t: auto (on for CUDA) | on | off. Off in deterministic mode."""
     deterministic: bool = False
     """Batch-invariant kernels so a request's result does not depend on its batch."""
+    speculative: str = "off"
+    """Speculative decoding: off | ngram (drafts from the request's own tokens; exact, same samples)."""
+    spec_draft_tokens: int = 4
+    """Most draft tokens verified per request and step."""
+    spec_ngram_max: int = 3
+    """Longest suffix n-gram looked up for a draft."""
+    spec_ngram_min: int = 1
+    """Shortest suffix n-gram looked up for a draft."""
     seed: int = 0
     """Base sampling seed (each request derives its own)."""
     update_policy: str = "retract"

@@ -27,6 +27,8 @@ from miles.rollout.kv_pool import KVPool, RequestTable
 
 _MIN_SHARED_PREFIX = 16
 """Shorter shared prefixes are not worth a separate attention call."""
+_SHORT_EXTEND = 16
+"""Multi-token chunks up to this long attend together in one padded call."""
 
 
 def _flash_lse(
@@ -93,14 +95,38 @@ class _SharedPrefixes:
     """Gather targets for the prefix keys and values, reused by every layer of the step."""
 
 
+@dataclass
+class _ShortExtends:
+    """Multi-token chunks of at most `_SHORT_EXTEND` tokens, padded to [B, T] for one attention call."""
+
+    batch_size: int
+    width: int
+    """T: the longest chunk."""
+    tokens: torch.Tensor
+    """[B * T] token rows of the step (padding repeats the chunk's first token)."""
+    slots: torch.Tensor
+    """[B, L] KV slots of each chunk's sequence."""
+    allowed: np.ndarray
+    """[B, T, L] causal visibility of each query."""
+    src: torch.Tensor
+    """Rows of the padded [B * T] output that are real ..."""
+    dst: torch.Tensor
+    """... and the step's token rows they go to."""
+    mask: torch.Tensor | None = None
+    """[B, 1, T * G, L] SDPA mask, built at the first layer (needs the query dtype)."""
+
+
 class TorchPagedAttention:
     def __init__(self, pool: KVPool, table: RequestTable, batch: ForwardBatch) -> None:
         self.pool, self.out_slots = pool, batch.out_slots
         starts = batch.q_starts
+        short = [i for i, n in enumerate(batch.q_lens) if 1 < n <= _SHORT_EXTEND]
+        self.short = self._plan_short(table, batch, short, starts) if len(short) > 1 else None
+        batched = set(short) if self.short is not None else set()
         self.prefills = [
             (starts[i], starts[i + 1], table.table[batch.rows[i], : batch.kv_lens[i]].long())
             for i, n in enumerate(batch.q_lens)
-            if n > 1
+            if n > 1 and i not in batched
         ]
         self.dec_tokens: torch.Tensor | None = None
         self.dec_in_place = False
@@ -127,7 +153,9 @@ class TorchPagedAttention:
             self.shared = self._plan_groups(table, batch, groups)
         tokens = np.asarray(starts)[order]
         # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the output.
-        self.dec_in_place = not self.prefills and bool((tokens == np.arange(len(order))).all())
+        self.dec_in_place = (
+            not self.prefills and self.short is None and bool((tokens == np.arange(len(order))).all())
+        )
         self.dec_tokens = torch.from_numpy(tokens).to(device)
         first = np.array([prefix.get(i, 0) for i in order.tolist()])
         suffix = np.asarray(batch.kv_lens)[order] - first
@@ -146,6 +174,50 @@ class TorchPagedAttention:
             self.dec_mask = _step_mask(
                 (np.arange(width) < suffix[:, None])[:, None, None, :], lay.dtype, device
             )
+
+    def _plan_short(
+        self, table: RequestTable, batch: ForwardBatch, idx: list[int], starts: list[int]
+    ) -> _ShortExtends:
+        """Chunks of a few tokens (speculative verify chunks, small prefill pieces) attend in one padded call
+        instead of one call per sequence."""
+        device = self.pool.device
+        q_lens = np.asarray([batch.q_lens[i] for i in idx])
+        kv_lens = np.asarray([batch.kv_lens[i] for i in idx])
+        first = np.asarray([starts[i] for i in idx])
+        b, t, width = len(idx), int(q_lens.max()), int(kv_lens.max())
+        j = np.arange(t)
+        real = j[None, :] < q_lens[:, None]  # [B, T]
+        tokens = first[:, None] + np.where(real, j[None, :], 0)
+        # Query j of a chunk sits at position kv_len - q_len + j and sees keys up to it (causal).
+        last_key = kv_lens[:, None] - q_lens[:, None] + j[None, :]
+        allowed = np.arange(width)[None, None, :] <= last_key[:, :, None]  # [B, T, L]
+        cols = np.minimum(np.arange(width), table.max_context - 1)[None, :].repeat(b, 0)
+        return _ShortExtends(
+            batch_size=b,
+            width=t,
+            tokens=torch.from_numpy(tokens.reshape(-1)).to(device),
+            slots=_table_slots(table, np.asarray([batch.rows[i] for i in idx]), cols),
+            allowed=allowed,
+            src=torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(device),
+            dst=torch.from_numpy(tokens.reshape(-1)[real.reshape(-1)]).to(device),
+        )
+
+    def _short(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        sh = self.short
+        assert sh is not None
+        _, hq, d = q.shape
+        hkv = self.pool.layout.num_kv_heads
+        g = hq // hkv
+        if sh.mask is None:  # the query heads of a KV head ride in the query dimension: [B, Hkv, T * G]
+            sh.mask = _step_mask(np.repeat(sh.allowed, g, axis=1)[:, None], q.dtype, q.device)
+        qs = q.index_select(0, sh.tokens).view(sh.batch_size, sh.width, hkv, g, d)
+        qs = qs.permute(0, 2, 1, 3, 4).reshape(sh.batch_size, hkv, sh.width * g, d)
+        keys, values = self.pool.gather(layer_idx, sh.slots)  # [B, L, Hkv, D]
+        o = F.scaled_dot_product_attention(
+            qs, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=sh.mask, scale=scale
+        )
+        o = o.view(sh.batch_size, hkv, sh.width, g, d).permute(0, 2, 1, 3, 4).reshape(-1, hq, d)
+        out.index_copy_(0, sh.dst, o.index_select(0, sh.src))
 
     def _plan_groups(
         self, table: RequestTable, batch: ForwardBatch, groups: list[tuple[int, list[int]]]
@@ -187,6 +259,8 @@ class TorchPagedAttention:
         if self.dec_tokens is not None:
             dec = self._decode(layer_idx, q.index_select(0, self.dec_tokens), scale)
             out.view(len(out), *dec.shape[1:]).index_copy_(0, self.dec_tokens, dec)
+        if self.short is not None:
+            self._short(layer_idx, q, out, scale)
         for start, end, slots in self.prefills:
             keys, values = self.pool.gather(layer_idx, slots)
             out[start:end] = _prefill(q[start:end], keys, values, scale)

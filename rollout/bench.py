@@ -153,6 +153,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cuda-graph", default="on", choices=["on", "off"])
     p.add_argument("--flashinfer-kernel", default="fa2", choices=["fa2", "fa3"])
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--speculative", default="off", choices=["off", "ngram"])
+    p.add_argument("--spec-draft-tokens", type=int, default=4)
     p.add_argument(
         "--overlap",
         default="auto",
@@ -213,6 +215,8 @@ def main(argv: list[str]) -> int:
         overlap_schedule=a.overlap,
         flashinfer_kernel=a.flashinfer_kernel,
         fused_kernels=a.fused_kernels,
+        speculative=a.speculative,
+        spec_draft_tokens=a.spec_draft_tokens,
     )
     engine = Engine(model, None, cfg)
     gen = torch.Generator().manual_seed(a.seed)
@@ -268,6 +272,8 @@ def main(argv: list[str]) -> int:
         "decode_tokens_per_s": stats.decode_tokens / stats.decode_s if stats.decode_s else 0.0,
         "preemptions": stats.preemptions,
         "dropped_rows": stats.dropped_rows,
+        "speculative": a.speculative,
+        "spec_accept_length": 1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0,
         "kv_pool_tokens": engine.pool.capacity_tokens,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
         if on_gpu

@@ -24,6 +24,7 @@ from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
 from miles.rollout.model_runner import ModelRunner, resolve_backend
+from miles.rollout.ngram import NgramIndex
 from miles.rollout.outputs import finish_status, to_sample
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import RadixCache
@@ -64,6 +65,10 @@ class EngineStats:
     """Sum over decode steps of the tokens attended (for the decode roofline)."""
     peak_used_tokens: int = 0
     dropped_rows: int = 0
+    spec_steps: int = 0
+    """Speculative decoding: request-steps that verified a draft, draft tokens, and those accepted."""
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     """Overlap scheduling: decode rows computed for requests their previous token had already finished."""
 
 
@@ -147,6 +152,14 @@ class Engine:
         self.overlap = not cfg.deterministic and (
             cfg.overlap_schedule == "on" or (cfg.overlap_schedule == "auto" and on_gpu)
         )
+        if cfg.speculative not in ("off", "ngram"):
+            raise ValueError(f"rollout.speculative must be off or ngram, got {cfg.speculative!r}")
+        if cfg.speculative != "off" and cfg.spec_draft_tokens < 1:
+            raise ValueError(f"rollout.spec_draft_tokens must be >= 1, got {cfg.spec_draft_tokens}")
+        self.speculative = cfg.speculative == "ngram" and not cfg.deterministic
+        NgramIndex(cfg.spec_ngram_max, cfg.spec_ngram_min)  # checks the n-gram sizes now, not mid-run
+        # Drafts come from the newest tokens, so speculation needs each step's tokens before planning the next.
+        self.overlap = self.overlap and not self.speculative
         self._in_flight: _Launched | None = None
         self.stats = EngineStats()
 
@@ -290,6 +303,8 @@ class Engine:
             self._abort_flagged = False
             for req in [r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.abort_requested]:
                 finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
+        if self.speculative:
+            self._propose_drafts()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.retracted)
         if plan.failed:
@@ -316,6 +331,23 @@ class Engine:
             else:
                 self.stats.prefill_s += elapsed
         return finished
+
+    def _propose_drafts(self) -> None:
+        cfg = self.cfg
+        for req in self.scheduler.running:
+            req.draft = []
+            if not (req.is_decoding and req.can_grow):
+                continue
+            # Bounded so that the kept tokens never pass max_new_tokens or the context.
+            k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.max_context - req.seq_len)
+            if k <= 0:
+                continue
+            index = req.ngram
+            if index is None or len(index.tokens) > req.seq_len:  # new, or its output was reset
+                index = req.ngram = NgramIndex(cfg.spec_ngram_max, cfg.spec_ngram_min)
+                index.extend(req.prompt_ids)
+            index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
+            req.draft = index.propose(k)
 
     def _drain(self) -> None:
         """Read the step still in flight (its finished samples go to the results)."""
@@ -390,6 +422,11 @@ class Engine:
             "rollout/aborted": float(s.aborted),
             "rollout/truncated": float(s.truncated),
             "rollout/dropped_rows": float(s.dropped_rows),
+            "rollout/spec_accept_length": (
+                1.0 + s.spec_accepted_tokens / s.spec_steps if s.spec_steps else 0.0
+            ),
+            "rollout/spec_draft_tokens": float(s.spec_draft_tokens),
+            "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),
             "rollout/weight_version": float(self._weight_version),
         }
         if reset:
@@ -449,7 +486,7 @@ class Engine:
                 s.cached_prompt_tokens += min(c.start, len(c.req.prompt_ids))
         extend = [c.start < c.req.seq_len - 1 or not c.req.output_ids for c in chunks]
         s.prefill_tokens += sum(c.length for c, e in zip(chunks, extend) if e)
-        s.decode_tokens += sum(1 for e in extend if not e)
+        s.decode_tokens += sum(c.length for c, e in zip(chunks, extend) if not e)
         batch = self._build_batch(chunks)
         s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
         logits, routing = self.runner.forward(batch)
@@ -462,7 +499,7 @@ class Engine:
         sampled = [c for c in chunks if c.samples]
         if not sampled:
             return _Launched(chunks, extend, sampled, None, None, None)
-        tokens, logprobs = self._sample(logits, [c.req for c in sampled])
+        tokens, logprobs = self._sample(logits, [(c.req, j) for c in sampled for j in range(c.sample_rows)])
         values = torch.stack([tokens.double(), logprobs.double()])
         if self.device.type != "cuda":
             return _Launched(chunks, extend, sampled, tokens, values, None)
@@ -477,11 +514,13 @@ class Engine:
         for c in step.chunks:
             c.req.kv_len += c.req.inflight_tokens  # 0 for a request `_finish` already settled
             c.req.inflight_tokens = 0
-        for j, c in enumerate(step.sampled):
+        row = 0
+        for c in step.sampled:
             if not c.req.finished:
                 c.req.output_ids.append(-1)
                 c.req.logprobs.append(float("nan"))
-                c.req.pending_index = j
+                c.req.pending_index = row
+            row += c.sample_rows
         for c, e in zip(step.chunks, step.extend):
             if e and not c.req.finished:
                 self.kv.cache_unfinished(c.req)
@@ -494,19 +533,66 @@ class Engine:
         if step.done is not None:
             step.done.synchronize()  # the step's tokens only, not whatever was queued after it
         tokens, logprobs = step.host.tolist()
-        finished = []
-        for j, c in enumerate(step.sampled):
-            req = c.req
-            if req.finished or req.pending_index != j:
+        finished: list[Sample] = []
+        cuts: list[tuple[Request, int]] = []
+        row = 0
+        for c in step.sampled:
+            req, first = c.req, row
+            row += c.sample_rows
+            if req.finished or req.pending_index != first:
                 self.stats.dropped_rows += 1  # finished before this row's token was read
                 continue
-            req.output_ids[-1], req.logprobs[-1] = int(tokens[j]), float(logprobs[j])
             req.pending_index = -1
-            self.stats.output_tokens += 1
-            status = finish_status(req, self.eos_ids, self.max_context, self.tokenizer)
+            if c.draft:
+                status = self._accept(req, c.draft, tokens[first:row], logprobs[first:row], cuts)
+                if status is not None:  # its KV goes back now: cut the rejected positions first
+                    self.kv.truncate([cuts.pop()])
+            else:
+                req.output_ids[-1], req.logprobs[-1] = int(tokens[first]), float(logprobs[first])
+                self.stats.output_tokens += 1
+                status = finish_status(req, self.eos_ids, self.max_context, self.tokenizer)
             if status is not None:
                 finished.append(self._finish(req, status))
+        self.kv.truncate(cuts)
         return finished
+
+    def _accept(
+        self,
+        req: Request,
+        draft: list[int],
+        tokens: list[float],
+        logprobs: list[float],
+        cuts: list[tuple[Request, int]],
+    ) -> SampleStatus | None:
+        """Keep the sampled tokens of a verify chunk up to the first that differs from its draft token.
+
+        Row j sampled position L + j as if drafts 1..j were the sequence; that holds while they match what was
+        sampled, so the kept tokens are exactly plain decoding's (an accepted draft has probability p(token)).
+        Keys and values computed for rejected drafts are cut off (appended to `cuts`, done for all at once).
+        """
+        req.output_ids.pop()  # the placeholder
+        req.logprobs.pop()
+        base = req.seq_len - 1  # KV was valid up to here before the step
+        status, kept, accepted = None, 0, 0
+        for j, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            req.output_ids.append(int(token))
+            req.logprobs.append(float(logprob))
+            kept += 1
+            status = finish_status(req, self.eos_ids, self.max_context, self.tokenizer)
+            matched = j < len(draft) and int(token) == draft[j]
+            accepted += matched
+            if status is not None or not matched:
+                break
+        cuts.append((req, base + kept))
+        req.spec_steps += 1
+        req.spec_draft_tokens += len(draft)
+        req.spec_accepted_tokens += accepted
+        s = self.stats
+        s.output_tokens += kept
+        s.spec_steps += 1
+        s.spec_draft_tokens += len(draft)
+        s.spec_accepted_tokens += accepted
+        return status
 
     def _build_batch(self, chunks: list[Chunk]) -> ForwardBatch:
         dev = self.device
@@ -520,9 +606,9 @@ class Engine:
             ids = []
             rows_with_logits: list[int] = []
             for c in chunks:
-                ids.extend(c.req.tokens(c.start, c.start + c.length))
-                if c.samples:
-                    rows_with_logits.append(len(ids) - 1)
+                ids.extend(c.req.tokens(c.start, c.start + c.length - len(c.draft)))
+                ids.extend(c.draft)
+                rows_with_logits.extend(range(len(ids) - c.sample_rows, len(ids)))
             lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
             offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
             positions = np.repeat(starts, lens) + offsets
@@ -555,14 +641,18 @@ class Engine:
             prefix_lens=[c.req.prefix_len for c in chunks],
         )
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        ps = [r.params for r in reqs]
+    def _sample(
+        self, logits: torch.Tensor, rows: list[tuple[Request, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i samples response position len(output) + j of its (request, j): j > 0 are draft rows, whose
+        uniform numbers are the ones plain decoding would use there, so speculation changes no sample."""
+        ps = [r.params for r, _ in rows]
         st = SamplingTensors.build(
             [p.temperature for p in ps],
             [p.top_k for p in ps],
             [p.top_p for p in ps],
             [p.min_p for p in ps],
-            uniforms([r.seed for r in reqs], [len(r.output_ids) for r in reqs]),
+            uniforms([r.seed for r, _ in rows], [len(r.output_ids) + j for r, j in rows]),
             self.args.vocab_size,
             self.device,
         )

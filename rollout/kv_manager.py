@@ -94,6 +94,31 @@ class KVManager:
         self.table.table[rows_t, pos_t] = slots.to(torch.int32)
         return slots
 
+    def truncate(self, cuts: list[tuple[Request, int]]) -> None:
+        """Drop the keys and values of positions >= kv_len of each (request, kv_len) (rejected draft tokens);
+        whole pages past the one holding position kv_len - 1 go back to the pool, in one call for all."""
+        p = self.page_size
+        rows, starts, counts = [], [], []
+        for req, kv_len in cuts:
+            keep = -(-kv_len // p) * p
+            if req.kv_len > keep:
+                rows.append(req.row)
+                starts.append(keep)
+                counts.append(-(-req.kv_len // p) - keep // p)  # the pages it holds past `keep`
+            req.kv_len = kv_len
+        if not rows:
+            return
+        # One slot per freed page: the first of each (page-aligned) page.
+        count = np.asarray(counts)
+        first = (
+            np.repeat(np.asarray(starts) - np.cumsum(count) * p + count * p, count)
+            + np.arange(count.sum()) * p
+        )
+        row_of = np.repeat(np.asarray(rows), count)
+        device = self.table.table.device
+        slots = self.table.table[torch.from_numpy(row_of).to(device), torch.from_numpy(first).to(device)]
+        self.pool.free_pages(slots.long() // p)
+
     def cache_unfinished(self, req: Request) -> None:
         """Put the request's computed prefix into the tree so others can share it (it stays pinned)."""
         if self.tree is None:

@@ -64,4 +64,13 @@ def to_sample(
         status=req.status,
         weight_version=weight_version,
         routed_experts=routed,
+        spec_stats=(
+            {
+                "verify_steps": req.spec_steps,
+                "draft_tokens": req.spec_draft_tokens,
+                "accepted_tokens": req.spec_accepted_tokens,
+            }
+            if req.spec_steps
+            else {}
+        ),
     )

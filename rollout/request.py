@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import TreeNode
@@ -40,6 +41,13 @@ class Request:
     # overlap scheduling (see engine.py)
     inflight_tokens: int = 0
     """Positions computed by the launched, not yet committed step (their KV is being written)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow the sequence, verified by the next step."""
+    ngram: Any = None
+    """Its n-gram index over prompt + output (rollout/ngram.py), built on first use."""
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     pending_index: int = -1
     """Row of the newest output token in its step's sampled tokens while that token is still on the device
     (`output_ids[-1]` is then the placeholder -1); -1 when every output token is known."""

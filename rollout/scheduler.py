@@ -28,6 +28,12 @@ class Chunk:
     length: int
     samples: bool = False
     """The chunk reaches the end of the sequence, so its last position yields the next token."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: draft tokens fed after the sequence's last token; every row then samples."""
+
+    @property
+    def sample_rows(self) -> int:
+        return (1 + len(self.draft)) if self.samples else 0
 
     @classmethod
     def of(cls, req: Request, length: int) -> Chunk:
@@ -43,11 +49,7 @@ class StepPlan:
 
     @property
     def is_decode(self) -> bool:
-        return (
-            bool(self.chunks)
-            and all(c.length == 1 for c in self.chunks)
-            and all(c.samples for c in self.chunks)
-        )
+        return bool(self.chunks) and all(c.samples and c.length == 1 + len(c.draft) for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -107,9 +109,12 @@ class Scheduler:
         if not self._make_room_for_decodes(plan):
             return plan  # nothing runs until the requests whose last token is in flight give their KV back
         decoding = self._decoding()
-        self._planned = sum(self.kv.pages_needed(r, 1) for r in decoding) * self.kv.page_size
-        plan.chunks.extend(Chunk.of(r, 1) for r in decoding)
-        budget = self.cfg.max_batch_tokens - len(decoding)
+        if sum(1 + len(r.draft) for r in decoding) > self.cfg.max_batch_tokens:
+            for r in decoding:
+                r.draft = []
+        self._planned = sum(self._decode_pages(r) for r in decoding) * self.kv.page_size
+        plan.chunks.extend(Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft)) for r in decoding)
+        budget = self.cfg.max_batch_tokens - sum(c.length for c in plan.chunks)
         in_batch: list[Request] = []
         for req in [r for r in self.running if not r.is_decoding]:  # chunked prefills in progress
             length = self._fit_chunk(req, budget)
@@ -138,6 +143,9 @@ class Scheduler:
             length = min(length // 2, length - 1)
         return 0
 
+    def _decode_pages(self, req: Request) -> int:
+        return self.kv.pages_needed(req, 1 + len(req.draft))
+
     def _decoding(self) -> list[Request]:
         # With overlap scheduling a request whose last allowed token is still in flight is running but done.
         return [r for r in self.running if r.is_decoding and r.can_grow]
@@ -148,9 +156,13 @@ class Scheduler:
         False when the pool is short only until requests whose last token is in flight finish (wait a step).
         """
         while True:
-            needed = sum(self.kv.pages_needed(r, 1) for r in self._decoding()) * self.kv.page_size
+            needed = sum(self._decode_pages(r) for r in self._decoding()) * self.kv.page_size
             if self.kv.ensure_free(needed):
                 return True
+            if any(r.draft for r in self.running):  # drafts are optional: drop them before retracting
+                for r in self.running:
+                    r.draft = []
+                continue
             if not all(r.can_grow for r in self.running):
                 return False
             self.new_token_ratio = 1.0

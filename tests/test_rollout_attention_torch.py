@@ -80,3 +80,26 @@ def test_paged_attention_equals_attention_over_the_whole_context(seqs: list) -> 
         slots = table.table[row, :kv_len].long()
         ref = sdpa(q[starts[i] : starts[i + 1]], keys[slots], values[slots], D**-0.5, causal=True)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+EXTENDS = [(0, -1, 0, 30, 3), (1, -1, 0, 12, 5), (2, -1, 0, 40, 2), (3, -1, 0, 8, 20), (4, -1, 0, 25, 1)]
+"""Speculative verify chunks of 3, 5 and 2 tokens (batched together), a 20-token prefill chunk (alone),
+and a decode."""
+
+
+def test_short_extends_attend_in_one_padded_call() -> None:
+    pool, table, batch = build(EXTENDS)
+    attention = TorchPagedAttention(pool, table, batch)
+    assert attention.short is not None and attention.short.batch_size == 3
+    assert len(attention.prefills) == 1
+    gen = torch.Generator().manual_seed(2)
+    n = batch.num_tokens
+    q = torch.randn(n, HQ, D, generator=gen)
+    k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
+    out = attention.attend(0, q, k, v, D**-0.5)
+    keys, values = pool.k_layer(0).view(-1, HKV, D), pool.v_layer(0).view(-1, HKV, D)
+    starts = batch.q_starts
+    for i, (row, kv_len) in enumerate(zip(batch.rows, batch.kv_lens)):
+        slots = table.table[row, :kv_len].long()
+        ref = sdpa(q[starts[i] : starts[i + 1]], keys[slots], values[slots], D**-0.5, causal=True)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)

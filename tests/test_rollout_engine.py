@@ -97,6 +97,8 @@ SETUPS = {
     "chunked_prefill": {"max_batch_tokens": 6, "max_running_requests": 4},
     "pages_of_4": {"page_size": 4},
     "pages_tiny_pool": {"page_size": 4, "pool_tokens": 64, "max_batch_tokens": 8, "max_running_requests": 8},
+    "speculative": {"speculative": "ngram"},
+    "speculative_pages_tiny_pool": {"speculative": "ngram", "page_size": 4, "pool_tokens": 64},
 }
 
 
@@ -122,6 +124,8 @@ def test_greedy_matches_transformers(model_and_hf_greedy, radix: bool, setup: st
     metrics = engine.metrics()
     if pool_tokens is not None:
         assert metrics["rollout/preemptions"] > 0, "the tiny pool was meant to force preemption"
+    if cfg.speculative != "off":  # drafts were verified, and some were right
+        assert metrics["rollout/spec_accepted_tokens"] > 0 and metrics["rollout/spec_accept_length"] > 1
     if radix:  # the second round finds its prompts cached unless the tiny pool evicted them
         assert metrics["rollout/prefix_hit_rate"] > (0.2 if pool_tokens else 0.5)
 
@@ -256,3 +260,33 @@ def test_overlap_schedule_gives_the_same_samples(_overlap_schedule: None) -> Non
     assert results["off_metrics"]["rollout/preemptions"] > 0, "the pool was meant to force preemption"
     assert all(-1 not in s.response_ids for s in on)
     assert results["off_dropped"] == 0 and results["on_dropped"] > 0, "early stops ran a dropped row"
+
+
+def test_speculative_decoding_gives_the_same_samples(_overlap_schedule: None) -> None:
+    """Draft rows sample with the uniform numbers plain decoding would use at those positions, so n-gram
+    speculation changes no token (only the float32 rounding of logprobs), whatever stops the request."""
+    model = tiny_model(False, seed=5, max_position_embeddings=48)
+    with torch.no_grad():  # peaky logits: the model repeats itself, so drafts get accepted while sampling
+        model.lm_head.weight.mul_(8.0)
+    prompts = [PROMPTS[0] * 2, PROMPTS[4], PROMPTS[3] * 3, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=30, seed=7, stop_token_ids=[41])
+    results, metrics = {}, {}
+    for mode in ("off", "ngram"):
+        cfg = config(speculative=mode, kv_cache_bytes=kv_bytes(model, 120), max_running_requests=12)
+        engine = Engine(model, None, cfg)
+        results[mode] = engine.generate(prompts, params)
+        metrics[mode] = engine.metrics()
+        assert_pool_clean(engine)
+    off, on = results["off"], results["ngram"]
+    assert [s.response_ids for s in on] == [s.response_ids for s in off]
+    assert [s.status for s in on] == [s.status for s in off]
+    for a, b in zip(on, off):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+    assert {s.status for s in off} == {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}
+    assert metrics["ngram"]["rollout/spec_accepted_tokens"] > 0
+    assert metrics["ngram"]["rollout/spec_accept_length"] > 1.0
+    assert (
+        sum(s.spec_stats.get("accepted_tokens", 0) for s in on)
+        == metrics["ngram"]["rollout/spec_accepted_tokens"]
+    )
+    assert metrics["off"]["rollout/spec_draft_tokens"] == 0 and all(not s.spec_stats for s in off)

@@ -233,3 +233,15 @@ def test_fused_kernels_match_the_eager_ones() -> None:
     assert_agree_until_near_tie(
         model, eager_out, engine.generate(PROMPTS, GREEDY), logprob_tol=0.05, near_tie=0.5
     )
+
+
+def test_speculative_decoding_on_cuda_matches_plain_decoding() -> None:
+    """n-gram verify chunks through flashinfer's prefill kernel (eager) give plain decoding's tokens."""
+    model = gpu_model(moe=False, seed=7)
+    params = GREEDY.with_(n=2, max_new_tokens=32)
+    plain = Engine(model, None, config(backend="flashinfer", cuda_graph=True)).generate(PROMPTS, params)
+    engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, speculative="ngram"))
+    spec = engine.generate(PROMPTS, params)
+    metrics = engine.metrics()
+    assert metrics["rollout/spec_draft_tokens"] > 0
+    assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
