@@ -161,6 +161,7 @@ class Engine:
         # Drafts come from the newest tokens, so speculation needs each step's tokens before planning the next.
         self.overlap = self.overlap and not self.speculative
         self._in_flight: _Launched | None = None
+        self._drained: list[Sample] = []
         self.stats = EngineStats()
 
     def _use_fused_kernels(self, cfg: RolloutConfig) -> bool:
@@ -296,7 +297,7 @@ class Engine:
         """
         self._check_usable()
         t0 = time.perf_counter()
-        finished: list[Sample] = []
+        finished, self._drained = self._drained, []
         self._last_step_ran = False
         if self._abort_flagged:
             finished.extend(self._resolve())  # an aborted result must not keep a placeholder token
@@ -305,7 +306,7 @@ class Engine:
                 finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
         if self.speculative:
             self._propose_drafts()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(in_flight=self._in_flight is not None)
         self.stats.preemptions += len(plan.retracted)
         if plan.failed:
             finished.extend(self._resolve())
@@ -336,7 +337,9 @@ class Engine:
         cfg = self.cfg
         for req in self.scheduler.running:
             req.draft = []
-            if not (req.is_decoding and req.can_grow):
+            # Not before the first output token: the chunk that ends the prompt is a prefill (it goes into
+            # the radix cache, which must never hold draft positions).
+            if not (req.is_decoding and req.can_grow and req.output_ids):
                 continue
             # Bounded so that the kept tokens never pass max_new_tokens or the context.
             k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.max_context - req.seq_len)
@@ -350,8 +353,8 @@ class Engine:
             req.draft = index.propose(k)
 
     def _drain(self) -> None:
-        """Read the step still in flight (its finished samples go to the results)."""
-        self._resolve()
+        """Read the step still in flight; samples it finishes are returned by the next `step()` too."""
+        self._drained.extend(self._resolve())
 
     # weights and memory ----------------------------------------------------------------------------
     def update_weights(self, weights: WeightsInput, version: int | None = None) -> None:
@@ -370,7 +373,8 @@ class Engine:
             else:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
-                    req.output_ids, req.logprobs, req.stop_text = [], [], None
+                    req.output_ids, req.logprobs, req.stop_text, req.ngram = [], [], None, None
+                    req.spec_steps = req.spec_draft_tokens = req.spec_accepted_tokens = 0
         self.flush_cache()
         load_weights(self.model, weights)
         self._weight_version = self._weight_version + 1 if version is None else int(version)

@@ -78,6 +78,7 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retracted = 0
         self._planned = 0
+        self._in_flight = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -103,11 +104,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # the plan ------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, in_flight: bool = False) -> StepPlan:
+        """The next step's chunks. `in_flight`: a launched step's tokens are not read yet (overlap
+        scheduling); then nothing is retracted or failed, the plan is empty instead, and the engine reads
+        those tokens first (a request retracted meanwhile would finish outside the running set)."""
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
+        self._in_flight = in_flight
         if not self._make_room_for_decodes(plan):
-            return plan  # nothing runs until the requests whose last token is in flight give their KV back
+            return plan  # nothing runs until the step in flight is read and its finished requests leave
         decoding = self._decoding()
         if sum(1 + len(r.draft) for r in decoding) > self.cfg.max_batch_tokens:
             for r in decoding:
@@ -124,7 +129,7 @@ class Scheduler:
             in_batch.append(req)
             budget -= length
         self._admit(plan, budget, in_batch)
-        if not plan.chunks and self.running and all(r.can_grow for r in self.running):
+        if not plan.chunks and self.running and not in_flight and all(r.can_grow for r in self.running):
             self._unblock(plan)
         if plan.is_decode:
             self.new_token_ratio = max(
@@ -163,7 +168,7 @@ class Scheduler:
                 for r in self.running:
                     r.draft = []
                 continue
-            if not all(r.can_grow for r in self.running):
+            if self._in_flight or not all(r.can_grow for r in self.running):
                 return False
             self.new_token_ratio = 1.0
             if len(self.running) == 1:  # alone and still short: the pool cannot hold this request

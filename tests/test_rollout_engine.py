@@ -99,6 +99,8 @@ SETUPS = {
     "pages_tiny_pool": {"page_size": 4, "pool_tokens": 64, "max_batch_tokens": 8, "max_running_requests": 8},
     "speculative": {"speculative": "ngram"},
     "speculative_pages_tiny_pool": {"speculative": "ngram", "page_size": 4, "pool_tokens": 64},
+    # A chunked prefill can leave a prompt's last token alone: no draft before the first output token.
+    "speculative_chunked_prefill": {"speculative": "ngram", "max_batch_tokens": 7, "max_running_requests": 4},
 }
 
 
@@ -239,7 +241,9 @@ def test_overlap_schedule_gives_the_same_samples(_overlap_schedule: None) -> Non
     overlap scheduling; its result must be dropped and its KV slot given back."""
     model = tiny_model(True, seed=4, max_position_embeddings=40)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
-    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11, stop_token_ids=[5, 17, 33])
+    params = SamplingParams(
+        n=4, temperature=1.0, max_new_tokens=24, seed=11, stop_token_ids=[5, 17, 33], return_routing=True
+    )
     results = {}
     for mode in ("off", "on"):
         cfg = config(overlap_schedule=mode, kv_cache_bytes=kv_bytes(model, 48), max_running_requests=16)
@@ -259,6 +263,10 @@ def test_overlap_schedule_gives_the_same_samples(_overlap_schedule: None) -> Non
     )
     assert results["off_metrics"]["rollout/preemptions"] > 0, "the pool was meant to force preemption"
     assert all(-1 not in s.response_ids for s in on)
+    # A request must not be retracted while its token is in flight: it would finish outside the running set
+    # and lose its routing (needed for routing replay).
+    assert all(s.routed_experts is not None for s in on)
+    assert [s.routed_experts for s in on] == [s.routed_experts for s in off]
     assert results["off_dropped"] == 0 and results["on_dropped"] > 0, "early stops ran a dropped row"
 
 
@@ -290,3 +298,43 @@ def test_speculative_decoding_gives_the_same_samples(_overlap_schedule: None) ->
         == metrics["ngram"]["rollout/spec_accepted_tokens"]
     )
     assert metrics["off"]["rollout/spec_draft_tokens"] == 0 and all(not s.spec_stats for s in off)
+
+
+def test_no_retraction_while_a_token_is_in_flight(_overlap_schedule: None) -> None:
+    """Regression (found by review): under overlap, a preemption could pick a request whose stopping token was
+    still on the device; it then finished from the waiting queue without its KV row, so its MoE routing was
+    lost and routing replay failed. Now the scheduler waits for the token instead of retracting."""
+    model = tiny_model(True, seed=24, max_position_embeddings=64)
+    prompts = [[21, 49, 73, 88, 36, 70], [49, 93, 73, 1, 31, 84, 2], [19, 19, 92, 40, 21, 32, 83, 88, 79, 74]]
+    prompts.append([15, 75, 4])
+    params = SamplingParams(
+        n=2, temperature=1.0, max_new_tokens=20, seed=442, stop_token_ids=[36, 94, 27, 9], return_routing=True
+    )
+    outs = {}
+    for mode in ("off", "on"):
+        cfg = config(overlap_schedule=mode, kv_cache_bytes=kv_bytes(model, 48), max_running_requests=16)
+        engine = Engine(model, None, cfg)
+        outs[mode] = engine.generate(prompts, params)
+        assert_pool_clean(engine)
+    assert [s.response_ids for s in outs["on"]] == [s.response_ids for s in outs["off"]]
+    assert all(s.routed_experts is not None for s in outs["on"])
+    assert [s.routed_experts for s in outs["on"]] == [s.routed_experts for s in outs["off"]]
+
+
+def test_no_draft_before_the_first_output_token() -> None:
+    """Regression (found by review): with a chunked prefill leaving the prompt's last token alone, that chunk
+    got a draft, and the radix cache took in draft positions (a -1 key, then a slot freed twice)."""
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    prompt = [57, 10, 93] * 5 + [57, 10]  # 17 tokens: chunks of 8, 8 and 1
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    plain = Engine(model, None, config(radix_cache=False)).generate([prompt], params)[0]
+    for page_size in (1, 4):
+        cfg = config(speculative="ngram", max_batch_tokens=8, max_running_requests=8, page_size=page_size)
+        engine = Engine(model, None, cfg)
+        (sample,) = engine.generate([prompt], params)
+        assert sample.response_ids == plain.response_ids
+        assert_pool_clean(engine)
+        engine.flush_cache()
+        assert engine.pool.free_tokens == engine.pool.capacity_tokens
