@@ -54,3 +54,16 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm() -> None:
     total, normed = fused.add_rms_norm(x, delta, w, 1e-6)
     assert torch.equal(total, x + delta)
     assert torch.equal(normed, fused.rms_norm(x + delta, w, 1e-6))
+
+
+def test_an_input_error_is_raised_and_keeps_fusion_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_compile(fn: object, **kwargs: object) -> object:
+        def run(*args: object) -> None:
+            raise RuntimeError("shape mismatch in the compiled kernel")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    with fused.fused_kernels(), pytest.raises(RuntimeError):
+        fused.call(fused.silu_mul, torch.randn(3, 4), torch.randn(5, 4))  # eager fails as well
+    assert not fused._failed

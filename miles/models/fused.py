@@ -84,7 +84,10 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
         )
     try:
         return compiled(*args)
-    except Exception as err:  # no Triton / compiler here: the eager kernels give the same results
+    except Exception as err:
+        # An error of the inputs raises from the eager function too (and fusion stays on); one that only the
+        # compiled path has (no Triton, no compiler) switches to the eager kernels, which give the same results.
+        result = fn(*args)
         _failed = True
         log.warning("fused kernels unavailable (%s: %s); running the eager ones", type(err).__name__, err)
-        return fn(*args)
+        return result
