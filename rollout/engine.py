@@ -65,11 +65,11 @@ class EngineStats:
     """Sum over decode steps of the tokens attended (for the decode roofline)."""
     peak_used_tokens: int = 0
     dropped_rows: int = 0
+    """Overlap scheduling: decode rows computed for requests their previous token had already finished."""
     spec_steps: int = 0
     """Speculative decoding: request-steps that verified a draft, draft tokens, and those accepted."""
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-    """Overlap scheduling: decode rows computed for requests their previous token had already finished."""
 
 
 @dataclass
@@ -328,7 +328,7 @@ class Engine:
             if plan.is_decode:
                 self.stats.decode_steps += 1
                 self.stats.decode_s += elapsed
-                self.stats.decode_kv_tokens += sum(c.start + 1 for c in plan.chunks)
+                self.stats.decode_kv_tokens += sum(c.start + c.length for c in plan.chunks)
             else:
                 self.stats.prefill_s += elapsed
         return finished

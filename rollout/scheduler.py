@@ -111,12 +111,12 @@ class Scheduler:
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
         self._in_flight = in_flight
+        if sum(1 + len(r.draft) for r in self._decoding()) > self.cfg.max_batch_tokens:
+            for r in self.running:  # before making room: drafts that cannot run must not evict cache
+                r.draft = []
         if not self._make_room_for_decodes(plan):
             return plan  # nothing runs until the step in flight is read and its finished requests leave
         decoding = self._decoding()
-        if sum(1 + len(r.draft) for r in decoding) > self.cfg.max_batch_tokens:
-            for r in decoding:
-                r.draft = []
         self._planned = sum(self._decode_pages(r) for r in decoding) * self.kv.page_size
         plan.chunks.extend(Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft)) for r in decoding)
         budget = self.cfg.max_batch_tokens - sum(c.length for c in plan.chunks)

@@ -51,3 +51,16 @@ def test_entropy_is_optional_and_no_grad_mode_works() -> None:
 def test_a_large_vocabulary_is_split_into_chunks() -> None:
     assert chunk_rows(101) > 100_000  # the tiny models: one chunk
     assert 100 < chunk_rows(151_936) < 1_000  # Qwen3: about 256 MiB of float32 logits per chunk
+
+
+def test_bit_identical_to_the_plain_formula_and_a_frozen_head_gets_no_gradient() -> None:
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 8, generator=gen)  # frozen (requires_grad False)
+    targets = torch.randint(0, 40, (6,), generator=gen)
+    lp, _ = chunked_logprobs(hidden, weight, targets, temperature=0.7)
+    ref_lp, _ = reference(hidden, weight, targets, 0.7)
+    assert torch.equal(lp, ref_lp)  # logits / T, as the engine's sampler computes them
+    (grad,) = torch.autograd.grad(lp.sum(), [hidden])
+    (ref_grad,) = torch.autograd.grad(ref_lp.sum(), [hidden])
+    torch.testing.assert_close(grad, ref_grad)

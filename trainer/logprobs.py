@@ -87,18 +87,18 @@ def chunked_logprobs(
     rows = rows_per_chunk or chunk_rows(weight.shape[0])
     entropy_grad = entropy_grad and with_entropy and torch.is_grad_enabled()
     logprobs, entropy = _ChunkedLogprobs.apply(
-        hidden, weight, targets, 1.0 / temperature, rows, with_entropy, entropy_grad
+        hidden, weight, targets, temperature, rows, with_entropy, entropy_grad
     )
     return logprobs, (entropy if with_entropy else None)
 
 
 def _chunk_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log q [rows, vocab] float32, log q[target] [rows]) of one chunk."""
     logits = F.linear(hidden, weight).float()
-    if inv_temp != 1.0:
-        logits = logits * inv_temp
+    if temperature != 1.0:  # divided, as the engine's sampler does, so both round alike
+        logits = logits / temperature
     log_q = F.log_softmax(logits, dim=-1)
     return log_q, log_q.gather(-1, targets[:, None]).squeeze(-1)
 
@@ -110,7 +110,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         targets: torch.Tensor,
-        inv_temp: float,
+        temperature: float,
         rows: int,
         with_entropy: bool,
         entropy_grad: bool,
@@ -119,12 +119,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, rows):
-            log_q, picked = _chunk_stats(hidden[s : s + rows], weight, targets[s : s + rows], inv_temp)
+            log_q, picked = _chunk_stats(hidden[s : s + rows], weight, targets[s : s + rows], temperature)
             logprobs[s : s + rows] = picked
             if with_entropy:
                 entropy[s : s + rows] = -(log_q.exp() * log_q).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.inv_temp, ctx.rows, ctx.entropy_grad = inv_temp, rows, entropy_grad
+        ctx.temperature, ctx.rows, ctx.entropy_grad = temperature, rows, entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -136,13 +136,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets = ctx.saved_tensors  # type: ignore[attr-defined]
-        inv_temp, rows = ctx.inv_temp, ctx.rows  # type: ignore[attr-defined]
+        temperature, rows = ctx.temperature, ctx.rows  # type: ignore[attr-defined]
         use_entropy = ctx.entropy_grad and grad_entropy is not None  # type: ignore[attr-defined]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # a frozen lm_head needs no [vocab, hidden] float32 buffer
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s : s + rows]
-            log_q, _ = _chunk_stats(h, weight, targets[s : s + rows], inv_temp)
+            log_q, _ = _chunk_stats(h, weight, targets[s : s + rows], temperature)
             q = log_q.exp()
             # d log q[t] / d z = onehot(t) - q;  d H / d z = -q * (log q + H)
             grad = -q * grad_logprobs[s : s + rows, None]
@@ -150,10 +152,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if use_entropy:
                 ent = -(q * log_q).sum(-1, keepdim=True)
                 grad -= q * (log_q + ent) * grad_entropy[s : s + rows, None]  # type: ignore[index]
-            if inv_temp != 1.0:
-                grad *= inv_temp
+            if temperature != 1.0:
+                grad /= temperature
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad @ weight
-            grad_weight += (grad.t() @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).float()
+        grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_w, None, None, None, None, None
