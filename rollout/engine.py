@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from miles.config import RolloutConfig
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
-from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.forward_batch import ForwardBatch, concat_ranges
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
 from miles.rollout.model_runner import ModelRunner, resolve_backend
@@ -614,8 +614,7 @@ class Engine:
                 ids.extend(c.draft)
                 rows_with_logits.extend(range(len(ids) - c.sample_rows, len(ids)))
             lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
-            offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-            positions = np.repeat(starts, lens) + offsets
+            positions = concat_ranges(starts, lens)
             sample_index = torch.tensor(rows_with_logits, dtype=torch.long).to(dev, non_blocking=True)
         out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)

@@ -8,6 +8,13 @@ import numpy as np
 import torch
 
 
+def concat_ranges(starts: np.ndarray, counts: np.ndarray, step: int = 1) -> np.ndarray:
+    """[starts[0], starts[0] + step, ... (counts[0] values), starts[1], ...]: per-token positions of packed runs."""
+    starts, counts = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + within * step
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor
@@ -48,7 +55,6 @@ class ForwardBatch:
     def token_rows_positions(self) -> tuple[list[int], list[int]]:
         """Per-token (table row, position), host side."""
         rows = np.repeat(np.asarray(self.rows, dtype=np.int64), self.q_lens)
-        ends = np.repeat(np.asarray(self.kv_lens, dtype=np.int64), self.q_lens)
-        starts = np.repeat(np.cumsum(self.q_lens) - np.asarray(self.q_lens), self.q_lens)
-        pos = ends - np.repeat(np.asarray(self.q_lens), self.q_lens) + (np.arange(len(rows)) - starts)
+        q_lens = np.asarray(self.q_lens, dtype=np.int64)
+        pos = concat_ranges(np.asarray(self.kv_lens, dtype=np.int64) - q_lens, q_lens)
         return rows.tolist(), pos.tolist()

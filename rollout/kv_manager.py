@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from miles.rollout.forward_batch import concat_ranges
 from miles.rollout.kv_pool import KVPool, RequestTable
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
@@ -70,7 +71,7 @@ class KVManager:
             tok_row, tok_pos = rows, starts
         else:
             tok_row = np.repeat(rows, lens)
-            tok_pos = np.repeat(starts, lens) + np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+            tok_pos = concat_ranges(starts, lens)
         rows_t = torch.from_numpy(tok_row).to(device, non_blocking=True)
         pos_t = torch.from_numpy(tok_pos).to(device, non_blocking=True)
         if p == 1:
@@ -109,12 +110,8 @@ class KVManager:
         if not rows:
             return
         # One slot per freed page: the first of each (page-aligned) page.
-        count = np.asarray(counts)
-        first = (
-            np.repeat(np.asarray(starts) - np.cumsum(count) * p + count * p, count)
-            + np.arange(count.sum()) * p
-        )
-        row_of = np.repeat(np.asarray(rows), count)
+        first = concat_ranges(np.asarray(starts), np.asarray(counts), step=p)
+        row_of = np.repeat(np.asarray(rows), counts)
         device = self.table.table.device
         slots = self.table.table[torch.from_numpy(row_of).to(device), torch.from_numpy(first).to(device)]
         self.pool.free_pages(slots.long() // p)
