@@ -69,26 +69,27 @@ class FlashinferBackend:
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=kernel)
         self._plan_copied: torch.cuda.Event | None = None
 
-    def _before_plan(self) -> None:
-        # `plan` fills a wrapper's pinned host buffer and copies it to the device asynchronously. With
-        # overlap scheduling the previous plan's copy may still be queued behind the step in flight; wait
-        # for that copy (not for the step) before the buffer is written again.
+    def plan(
+        self,
+        wrapper: object,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last: torch.Tensor,
+        *,
+        qo_indptr: torch.Tensor | None = None,
+        **extra: object,
+    ) -> None:
+        """Plan a prefill (with `qo_indptr`) or decode wrapper over the pool's pages for this step.
+
+        `plan` fills the wrapper's pinned host buffer and copies it to the device asynchronously. With overlap
+        scheduling the previous plan's copy may still be queued behind the step in flight; wait for that copy
+        (not for the step) before the buffer is written again.
+        """
         if self._plan_copied is not None:
             self._plan_copied.synchronize()
-
-    def _after_plan(self) -> None:
-        self._plan_copied = torch.cuda.Event()
-        self._plan_copied.record()
-
-    def _plan_args(self) -> dict[str, object]:
-        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
-
-    def context(self, batch: ForwardBatch) -> FlashinferAttention:
-        qo_indptr = torch.from_numpy(np.asarray(batch.q_starts, dtype=np.int32))
-        indptr, indices, last = paged_kv_metadata(self.table, batch.rows, batch.kv_lens, self.pool.page_size)
-        self._before_plan()
-        self.prefill.plan(
-            qo_indptr,
+        leading = () if qo_indptr is None else (qo_indptr,)
+        wrapper.plan(  # type: ignore[attr-defined]
+            *leading,
             indptr,
             indices,
             last,
@@ -96,10 +97,18 @@ class FlashinferBackend:
             self.num_kv_heads,
             self.head_dim,
             self.pool.page_size,
-            causal=True,
-            **self._plan_args(),
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            sm_scale=self.scale,
+            **extra,
         )
-        self._after_plan()
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
+
+    def context(self, batch: ForwardBatch) -> FlashinferAttention:
+        qo_indptr = torch.from_numpy(np.asarray(batch.q_starts, dtype=np.int32))
+        indptr, indices, last = paged_kv_metadata(self.table, batch.rows, batch.kv_lens, self.pool.page_size)
+        self.plan(self.prefill, indptr, indices, last, qo_indptr=qo_indptr, causal=True)
         return FlashinferAttention(self.pool, self.prefill, batch.out_slots)
 
     def graph_decode_wrapper(
@@ -115,19 +124,3 @@ class FlashinferBackend:
             paged_kv_indices_buffer=indices_buf,
             paged_kv_last_page_len_buffer=last_buf[:batch_size],
         )
-
-    def plan_decode(
-        self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor
-    ) -> None:
-        self._before_plan()
-        wrapper.plan(  # type: ignore[attr-defined]
-            indptr,
-            indices,
-            last,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.pool.page_size,
-            **self._plan_args(),
-        )
-        self._after_plan()

@@ -81,7 +81,7 @@ class CudaGraphRunner:
         mempool = torch.cuda.graph_pool_handle()
         for bs in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its memory
             wrapper = backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
-            backend.plan_decode(
+            backend.plan(
                 wrapper,
                 torch.arange(bs + 1, dtype=torch.int32),
                 torch.zeros(bs, dtype=torch.int32, device=device),
@@ -128,7 +128,7 @@ class CudaGraphRunner:
             indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
             indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32, device=indices.device)])
             last = torch.from_numpy(np.concatenate([last.numpy(), np.ones(pad, dtype=np.int32)]))
-        self.runner.flashinfer.plan_decode(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
+        self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
         entry.graph.replay()
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing
