@@ -369,7 +369,6 @@ class Engine:
             if self.cfg.update_policy == "finish" and not self._released:
                 while self.scheduler.has_work:
                     self.step()
-                self._drain()
             else:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
@@ -549,8 +548,6 @@ class Engine:
             req.pending_index = -1
             if c.draft:
                 status = self._accept(req, c.draft, tokens[first:row], logprobs[first:row], cuts)
-                if status is not None:  # its KV goes back now: cut the rejected positions first
-                    self.kv.truncate([cuts.pop()])
             else:
                 req.output_ids[-1], req.logprobs[-1] = int(tokens[first]), float(logprobs[first])
                 self.stats.output_tokens += 1
@@ -572,7 +569,8 @@ class Engine:
 
         Row j sampled position L + j as if drafts 1..j were the sequence; that holds while they match what was
         sampled, so the kept tokens are exactly plain decoding's (an accepted draft has probability p(token)).
-        Keys and values computed for rejected drafts are cut off (appended to `cuts`, done for all at once).
+        Keys and values computed for rejected drafts are cut off: at once when the request finishes (its KV
+        goes back next), else through `cuts`, done for all requests of the step together.
         """
         req.output_ids.pop()  # the placeholder
         req.logprobs.pop()
@@ -587,7 +585,10 @@ class Engine:
             accepted += matched
             if status is not None or not matched:
                 break
-        cuts.append((req, base + kept))
+        if status is None:
+            cuts.append((req, base + kept))
+        else:
+            self.kv.truncate([(req, base + kept)])
         req.spec_steps += 1
         req.spec_draft_tokens += len(draft)
         req.spec_accepted_tokens += accepted

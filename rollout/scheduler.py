@@ -78,7 +78,6 @@ class Scheduler:
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retracted = 0
         self._planned = 0
-        self._in_flight = False
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -110,11 +109,10 @@ class Scheduler:
         those tokens first (a request retracted meanwhile would finish outside the running set)."""
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
-        self._in_flight = in_flight
         if sum(1 + len(r.draft) for r in self._decoding()) > self.cfg.max_batch_tokens:
             for r in self.running:  # before making room: drafts that cannot run must not evict cache
                 r.draft = []
-        if not self._make_room_for_decodes(plan):
+        if not self._make_room_for_decodes(plan, in_flight):
             return plan  # nothing runs until the step in flight is read and its finished requests leave
         decoding = self._decoding()
         self._planned = sum(self._decode_pages(r) for r in decoding) * self.kv.page_size
@@ -155,10 +153,11 @@ class Scheduler:
         # With overlap scheduling a request whose last allowed token is still in flight is running but done.
         return [r for r in self.running if r.is_decoding and r.can_grow]
 
-    def _make_room_for_decodes(self, plan: StepPlan) -> bool:
+    def _make_room_for_decodes(self, plan: StepPlan, in_flight: bool) -> bool:
         """Free a slot for every decoding request, retracting requests while the pool is short.
 
-        False when the pool is short only until requests whose last token is in flight finish (wait a step).
+        False (plan nothing, wait a step) when the pool is short while a step is in flight, or only until
+        requests whose last token is in flight finish.
         """
         while True:
             needed = sum(self._decode_pages(r) for r in self._decoding()) * self.kv.page_size
@@ -168,7 +167,7 @@ class Scheduler:
                 for r in self.running:
                     r.draft = []
                 continue
-            if self._in_flight or not all(r.can_grow for r in self.running):
+            if in_flight or not all(r.can_grow for r in self.running):
                 return False
             self.new_token_ratio = 1.0
             if len(self.running) == 1:  # alone and still short: the pool cannot hold this request
