@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from rollout_helpers import OVERLAP_MODE
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,3 +17,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["off", "on"], ids=["sync", "overlap"])
+def overlap_mode(request: pytest.FixtureRequest) -> str:
+    """Runs an engine test with both step loops: the plain one and overlap scheduling (CUDA's default)."""
+    OVERLAP_MODE["value"] = request.param
+    return request.param

@@ -5,7 +5,19 @@ from __future__ import annotations
 import torch
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs
+
+OVERLAP_MODE = {"value": "off"}
+"""The engine step loop `rollout_config` uses; the `overlap_mode` fixture (conftest.py) sets it per test."""
+
+
+def rollout_config(defaults: dict[str, object], overrides: dict[str, object]) -> RolloutConfig:
+    cfg = RolloutConfig(**defaults)  # type: ignore[arg-type]
+    cfg.overlap_schedule = OVERLAP_MODE["value"]
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
 
 
 def tiny_args(moe: bool = False, **overrides: object) -> ModelArgs:

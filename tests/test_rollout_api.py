@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from rollout_helpers import tiny_model
+from rollout_helpers import rollout_config, tiny_model
 
 from miles.config import RolloutConfig
 from miles.models import RoutingTrace
@@ -23,21 +23,13 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-OVERLAP = {"mode": "off"}
-
-
-@pytest.fixture(autouse=True, params=["off", "on"], ids=["sync", "overlap"])
-def _overlap_schedule(request: pytest.FixtureRequest) -> None:
-    # Every engine test runs with both step loops: the plain one, and overlap scheduling (CUDA's default).
-    OVERLAP["mode"] = request.param
+pytestmark = pytest.mark.usefixtures("overlap_mode")
 
 
 def config(**overrides: object) -> RolloutConfig:
-    cfg = RolloutConfig(kv_cache_bytes=4 * 1024 * 1024, max_batch_tokens=256, max_running_requests=32)
-    cfg.overlap_schedule = OVERLAP["mode"]
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    return cfg
+    return rollout_config(
+        dict(kv_cache_bytes=4 * 1024 * 1024, max_batch_tokens=256, max_running_requests=32), overrides
+    )
 
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [2, 71, 82], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1]]

@@ -62,14 +62,11 @@ def build(seqs: list[tuple[int, int, int, int, int]]) -> tuple[KVPool, RequestTa
     return pool, table, batch
 
 
-@pytest.mark.parametrize("seqs", [MIXED, UNIFORM], ids=["mixed", "uniform"])
-def test_paged_attention_equals_attention_over_the_whole_context(seqs: list) -> None:
-    pool, table, batch = build(seqs)
-    attention = TorchPagedAttention(pool, table, batch)
-    assert attention.shared is not None, "the shared-prefix path is what this test is about"
-    assert (attention.shared.padded is not None) == (seqs is MIXED)
-    assert attention.dec_in_place == (seqs is UNIFORM)
-    gen = torch.Generator().manual_seed(1)
+def assert_matches_plain_attention(
+    attention: TorchPagedAttention, pool: KVPool, table: RequestTable, batch: ForwardBatch, seed: int
+) -> None:
+    """Random q/k/v through `attention` equal causal attention over each sequence's whole context."""
+    gen = torch.Generator().manual_seed(seed)
     n = batch.num_tokens
     q = torch.randn(n, HQ, D, generator=gen)
     k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
@@ -80,6 +77,16 @@ def test_paged_attention_equals_attention_over_the_whole_context(seqs: list) -> 
         slots = table.table[row, :kv_len].long()
         ref = sdpa(q[starts[i] : starts[i + 1]], keys[slots], values[slots], D**-0.5, causal=True)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, UNIFORM], ids=["mixed", "uniform"])
+def test_paged_attention_equals_attention_over_the_whole_context(seqs: list) -> None:
+    pool, table, batch = build(seqs)
+    attention = TorchPagedAttention(pool, table, batch)
+    assert attention.shared is not None, "the shared-prefix path is what this test is about"
+    assert (attention.shared.padded is not None) == (seqs is MIXED)
+    assert attention.dec_in_place == (seqs is UNIFORM)
+    assert_matches_plain_attention(attention, pool, table, batch, seed=1)
 
 
 EXTENDS = [(0, -1, 0, 30, 3), (1, -1, 0, 12, 5), (2, -1, 0, 40, 2), (3, -1, 0, 8, 20), (4, -1, 0, 25, 1)]
@@ -92,14 +99,4 @@ def test_short_extends_attend_in_one_padded_call() -> None:
     attention = TorchPagedAttention(pool, table, batch)
     assert attention.short is not None and attention.short.batch_size == 3
     assert len(attention.prefills) == 1
-    gen = torch.Generator().manual_seed(2)
-    n = batch.num_tokens
-    q = torch.randn(n, HQ, D, generator=gen)
-    k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
-    out = attention.attend(0, q, k, v, D**-0.5)
-    keys, values = pool.k_layer(0).view(-1, HKV, D), pool.v_layer(0).view(-1, HKV, D)
-    starts = batch.q_starts
-    for i, (row, kv_len) in enumerate(zip(batch.rows, batch.kv_lens)):
-        slots = table.table[row, :kv_len].long()
-        ref = sdpa(q[starts[i] : starts[i + 1]], keys[slots], values[slots], D**-0.5, causal=True)
-        torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+    assert_matches_plain_attention(attention, pool, table, batch, seed=2)

@@ -10,14 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from rollout_helpers import hf_logq, tiny_model
+from rollout_helpers import hf_logq, rollout_config, tiny_model
 from transformers import AutoModelForCausalLM
 
 from miles.config import RolloutConfig
 from miles.models import CausalLM, save_pretrained
 from miles.rollout import Engine, SamplingParams
 from miles.rollout.kv_pool import KVLayout
-from miles.sample import SampleStatus
+from miles.sample import Sample, SampleStatus
 
 NEW_TOKENS = 12
 
@@ -37,21 +37,13 @@ def kv_bytes(model: CausalLM, tokens: int, page_size: int = 1) -> int:
     return (tokens + page_size) * layout.bytes_per_token
 
 
-OVERLAP = {"mode": "off"}
-
-
-@pytest.fixture(autouse=True, params=["off", "on"], ids=["sync", "overlap"])
-def _overlap_schedule(request: pytest.FixtureRequest) -> None:
-    # Every engine test runs with both step loops: the plain one, and overlap scheduling (CUDA's default).
-    OVERLAP["mode"] = request.param
+pytestmark = pytest.mark.usefixtures("overlap_mode")
 
 
 def config(**overrides: object) -> RolloutConfig:
-    cfg = RolloutConfig(kv_cache_bytes=8 * 1024 * 1024, max_batch_tokens=512, max_running_requests=64)
-    cfg.overlap_schedule = OVERLAP["mode"]
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    return cfg
+    return rollout_config(
+        dict(kv_cache_bytes=8 * 1024 * 1024, max_batch_tokens=512, max_running_requests=64), overrides
+    )
 
 
 PROMPTS = [
@@ -236,7 +228,32 @@ def test_a_request_larger_than_the_pool_fails_alone() -> None:
     assert_pool_clean(engine)
 
 
-def test_overlap_schedule_gives_the_same_samples(_overlap_schedule: None) -> None:
+def generate_per_setting(
+    model: CausalLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    field: str,
+    values: tuple[str, str],
+    **cfg,
+) -> dict[str, tuple[list[Sample], Engine]]:
+    """The same requests under each value of one rollout config field; each engine's pool ends clean."""
+    runs = {}
+    for value in values:
+        engine = Engine(model, None, config(**{field: value}, **cfg))
+        runs[value] = (engine.generate(prompts, params), engine)
+        assert_pool_clean(engine)
+    return runs
+
+
+def assert_same_samples(got: list[Sample], want: list[Sample]) -> None:
+    """Tokens and statuses equal; logprobs to float32 rounding (the batches differ, so do the sums' orders)."""
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    assert [s.status for s in got] == [s.status for s in want]
+    for a, b in zip(got, want):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+
+
+def test_overlap_schedule_gives_the_same_samples() -> None:
     """Requests that stop early (a stop id, the context end, a tiny pool) get one extra decode row under
     overlap scheduling; its result must be dropped and its KV slot given back."""
     model = tiny_model(True, seed=4, max_position_embeddings=40)
@@ -244,33 +261,32 @@ def test_overlap_schedule_gives_the_same_samples(_overlap_schedule: None) -> Non
     params = SamplingParams(
         n=4, temperature=1.0, max_new_tokens=24, seed=11, stop_token_ids=[5, 17, 33], return_routing=True
     )
-    results = {}
-    for mode in ("off", "on"):
-        cfg = config(overlap_schedule=mode, kv_cache_bytes=kv_bytes(model, 48), max_running_requests=16)
-        engine = Engine(model, None, cfg)
-        results[mode] = engine.generate(prompts, params)
-        assert_pool_clean(engine)
-        results[mode + "_dropped"] = engine.stats.dropped_rows
-        results[mode + "_metrics"] = engine.metrics()
-    off, on = results["off"], results["on"]
-    assert [s.response_ids for s in on] == [s.response_ids for s in off]
-    for a, b in zip(on, off):  # batches differ by the dropped rows, so float32 sums differ in the last bits
-        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
-    assert [s.status for s in on] == [s.status for s in off]
+    runs = generate_per_setting(
+        model,
+        prompts,
+        params,
+        "overlap_schedule",
+        ("off", "on"),
+        kv_cache_bytes=kv_bytes(model, 48),
+        max_running_requests=16,
+    )
+    (off, off_engine), (on, on_engine) = runs["off"], runs["on"]
+    dropped = (off_engine.stats.dropped_rows, on_engine.stats.dropped_rows)  # before metrics() resets them
+    assert_same_samples(on, off)
     statuses = {s.status for s in off}
     assert statuses == {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}, (
         "stop ids and the context end both hit"
     )
-    assert results["off_metrics"]["rollout/preemptions"] > 0, "the pool was meant to force preemption"
+    assert off_engine.metrics()["rollout/preemptions"] > 0, "the pool was meant to force preemption"
     assert all(-1 not in s.response_ids for s in on)
     # A request must not be retracted while its token is in flight: it would finish outside the running set
     # and lose its routing (needed for routing replay).
     assert all(s.routed_experts is not None for s in on)
     assert [s.routed_experts for s in on] == [s.routed_experts for s in off]
-    assert results["off_dropped"] == 0 and results["on_dropped"] > 0, "early stops ran a dropped row"
+    assert dropped[0] == 0 and dropped[1] > 0, "early stops ran a dropped row"
 
 
-def test_speculative_decoding_gives_the_same_samples(_overlap_schedule: None) -> None:
+def test_speculative_decoding_gives_the_same_samples() -> None:
     """Draft rows sample with the uniform numbers plain decoding would use at those positions, so n-gram
     speculation changes no token (only the float32 rounding of logprobs), whatever stops the request."""
     model = tiny_model(False, seed=5, max_position_embeddings=48)
@@ -278,18 +294,18 @@ def test_speculative_decoding_gives_the_same_samples(_overlap_schedule: None) ->
         model.lm_head.weight.mul_(8.0)
     prompts = [PROMPTS[0] * 2, PROMPTS[4], PROMPTS[3] * 3, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
     params = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=30, seed=7, stop_token_ids=[41])
-    results, metrics = {}, {}
-    for mode in ("off", "ngram"):
-        cfg = config(speculative=mode, kv_cache_bytes=kv_bytes(model, 120), max_running_requests=12)
-        engine = Engine(model, None, cfg)
-        results[mode] = engine.generate(prompts, params)
-        metrics[mode] = engine.metrics()
-        assert_pool_clean(engine)
-    off, on = results["off"], results["ngram"]
-    assert [s.response_ids for s in on] == [s.response_ids for s in off]
-    assert [s.status for s in on] == [s.status for s in off]
-    for a, b in zip(on, off):
-        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
+    runs = generate_per_setting(
+        model,
+        prompts,
+        params,
+        "speculative",
+        ("off", "ngram"),
+        kv_cache_bytes=kv_bytes(model, 120),
+        max_running_requests=12,
+    )
+    (off, _), (on, _) = runs["off"], runs["ngram"]
+    metrics = {mode: engine.metrics() for mode, (_, engine) in runs.items()}
+    assert_same_samples(on, off)
     assert {s.status for s in off} == {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}
     assert metrics["ngram"]["rollout/spec_accepted_tokens"] > 0
     assert metrics["ngram"]["rollout/spec_accept_length"] > 1.0
@@ -300,7 +316,7 @@ def test_speculative_decoding_gives_the_same_samples(_overlap_schedule: None) ->
     assert metrics["off"]["rollout/spec_draft_tokens"] == 0 and all(not s.spec_stats for s in off)
 
 
-def test_no_retraction_while_a_token_is_in_flight(_overlap_schedule: None) -> None:
+def test_no_retraction_while_a_token_is_in_flight() -> None:
     """Regression (found by review): under overlap, a preemption could pick a request whose stopping token was
     still on the device; it then finished from the waiting queue without its KV row, so its MoE routing was
     lost and routing replay failed. Now the scheduler waits for the token instead of retracting."""
@@ -310,15 +326,19 @@ def test_no_retraction_while_a_token_is_in_flight(_overlap_schedule: None) -> No
     params = SamplingParams(
         n=2, temperature=1.0, max_new_tokens=20, seed=442, stop_token_ids=[36, 94, 27, 9], return_routing=True
     )
-    outs = {}
-    for mode in ("off", "on"):
-        cfg = config(overlap_schedule=mode, kv_cache_bytes=kv_bytes(model, 48), max_running_requests=16)
-        engine = Engine(model, None, cfg)
-        outs[mode] = engine.generate(prompts, params)
-        assert_pool_clean(engine)
-    assert [s.response_ids for s in outs["on"]] == [s.response_ids for s in outs["off"]]
-    assert all(s.routed_experts is not None for s in outs["on"])
-    assert [s.routed_experts for s in outs["on"]] == [s.routed_experts for s in outs["off"]]
+    runs = generate_per_setting(
+        model,
+        prompts,
+        params,
+        "overlap_schedule",
+        ("off", "on"),
+        kv_cache_bytes=kv_bytes(model, 48),
+        max_running_requests=16,
+    )
+    (off, _), (on, _) = runs["off"], runs["on"]
+    assert [s.response_ids for s in on] == [s.response_ids for s in off]
+    assert all(s.routed_experts is not None for s in on)
+    assert [s.routed_experts for s in on] == [s.routed_experts for s in off]
 
 
 def test_no_draft_before_the_first_output_token() -> None:
