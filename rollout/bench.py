@@ -283,42 +283,26 @@ def main(argv: list[str]) -> int:
         bandwidth = measure_copy_bandwidth(device) if engine.pool.allocated else 4.3e12
         avg_batch = stats.decode_tokens / stats.decode_steps
         kv_bytes = KVLayout.for_model(args, dtype, 1).bytes_per_token
-        floor_s = (
-            stats.decode_steps * decode_weight_bytes(args, dtype, avg_batch)
-            + stats.decode_kv_tokens * kv_bytes
-        ) / bandwidth
-        roofline = stats.decode_tokens / floor_s
         context = stats.decode_kv_tokens / max(stats.decode_tokens, 1)
+        weight_s = stats.decode_steps * decode_weight_bytes(args, dtype, avg_batch) / bandwidth
+        kv_s = stats.decode_kv_tokens * kv_bytes / bandwidth
+        gemm_flop_s = stats.decode_tokens * decode_flops_per_token(args, 0.0) / a.peak_flops
         flop_s = stats.decode_tokens * decode_flops_per_token(args, context) / a.peak_flops
+        floor_s = weight_s + kv_s
         # Layer by layer the GEMMs (compute-bound at large batch) and the attention (bandwidth-bound) run one
         # after the other, so each is floored by its own bytes or FLOPs, whichever takes longer.
-        gemm_s = stats.decode_steps * max(
-            decode_weight_bytes(args, dtype, avg_batch) / bandwidth,
-            avg_batch * decode_flops_per_token(args, 0.0) / a.peak_flops,
-        )
-        attention_s = max(
-            stats.decode_kv_tokens * kv_bytes / bandwidth,
-            stats.decode_tokens
-            * (decode_flops_per_token(args, context) - decode_flops_per_token(args, 0.0))
-            / a.peak_flops,
-        )
+        serial_s = max(weight_s, gemm_flop_s) + max(kv_s, flop_s - gemm_flop_s)
+        decode_rate = result["decode_tokens_per_s"]
         result.update(
-            serial_floor_output_tokens_per_s=stats.decode_tokens / (gemm_s + attention_s),
-            decode_pct_of_serial_floor=100
-            * result["decode_tokens_per_s"]
-            * (gemm_s + attention_s)
-            / stats.decode_tokens,
-        )
-        result.update(
+            serial_floor_output_tokens_per_s=stats.decode_tokens / serial_s,
+            decode_pct_of_serial_floor=100 * decode_rate * serial_s / stats.decode_tokens,
             copy_bandwidth_bytes_per_s=bandwidth,
             avg_decode_batch=avg_batch,
             avg_decode_context=context,
-            roofline_output_tokens_per_s=roofline,
-            decode_pct_of_roofline=100 * result["decode_tokens_per_s"] / roofline,
+            roofline_output_tokens_per_s=stats.decode_tokens / floor_s,
+            decode_pct_of_roofline=100 * decode_rate * floor_s / stats.decode_tokens,
             flop_floor_output_tokens_per_s=stats.decode_tokens / flop_s,
-            decode_pct_of_bytes_or_flops_floor=100
-            * result["decode_tokens_per_s"]
-            / (stats.decode_tokens / max(floor_s, flop_s)),
+            decode_pct_of_bytes_or_flops_floor=100 * decode_rate * max(floor_s, flop_s) / stats.decode_tokens,
         )
     if breakdown:
         result["breakdown_s"] = breakdown
