@@ -13,6 +13,7 @@ import json
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,6 +113,58 @@ def add_breakdown(engine: Engine, totals: dict[str, float]) -> None:
     timed(engine, "step", "step_total", False)
 
 
+def add_profiler(engine: Engine, a: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Profile a window of engine steps (by default well into decode, after the prompts are in)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inner = engine.step
+    count = 0
+    prof: Any = None
+
+    def wrapper() -> list[Any]:
+        nonlocal count, prof
+        if count == a.profile_start:
+            activities = [ProfilerActivity.CPU]
+            if engine.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+                # Finish the step in flight first, so the window holds the kernels of its own steps only.
+                torch.cuda.synchronize(engine.device)
+            prof = profile(activities=activities)
+            prof.__enter__()
+        out = inner()
+        count += 1
+        if prof is not None and count == a.profile_start + a.profile_steps:
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            prof.__exit__(None, None, None)
+            report.update(profile_summary(prof, a.profile_steps))
+            Path(a.profile).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(a.profile) / "trace.json"))
+            prof = None
+        return out
+
+    engine.step = wrapper  # type: ignore[method-assign]
+
+
+def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
+    """Per-step device (or CPU) milliseconds of the most expensive kernels."""
+    events = prof.key_averages()
+    on_device = any(getattr(e, "device_time_total", 0) for e in events)
+
+    def cost(e: Any) -> float:
+        return e.self_device_time_total if on_device else e.self_cpu_time_total
+
+    rows = sorted((e for e in events if cost(e) > 0), key=cost, reverse=True)
+    total_ms = sum(cost(e) for e in rows) / 1e3 / steps
+    return {
+        "profile_ms_per_step": total_ms,
+        "profile_top": [
+            {"name": e.key[:120], "ms_per_step": cost(e) / 1e3 / steps, "calls_per_step": e.count / steps}
+            for e in rows[:top]
+        ],
+    }
+
+
 def hf_sharing(model: CausalLM) -> Any:
     """A transformers model whose parameters are this model's tensors (no copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -180,6 +233,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="time schedule / build / forward / sample per step (synchronises, so no overlap)",
     )
     p.add_argument("--peak-flops", type=float, default=790e12, help="matmul ceiling for the FLOP floor")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="torch.profiler over --profile-steps engine steps from step --profile-start: a Chrome trace in "
+        "DIR and the kernels by device time in the JSON (profiling slows those steps)",
+    )
+    p.add_argument("--profile-start", type=int, default=300)
+    p.add_argument("--profile-steps", type=int, default=8)
     return p.parse_args(argv)
 
 
@@ -235,6 +297,9 @@ def main(argv: list[str]) -> int:
     breakdown: dict[str, float] = {}
     if a.breakdown:
         add_breakdown(engine, breakdown)
+    profile_report: dict[str, Any] = {}
+    if a.profile:
+        add_profiler(engine, a, profile_report)
     if on_gpu:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -306,6 +371,7 @@ def main(argv: list[str]) -> int:
         )
     if breakdown:
         result["breakdown_s"] = breakdown
+    result.update(profile_report)
     if a.hf_baseline:
         engine.release_memory()
         result.update(run_hf_baseline(model, prompts, a, device))
@@ -405,6 +471,10 @@ def print_table(r: dict[str, Any]) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    if "profile_top" in r:
+        print(f"profiled: {r['profile_ms_per_step']:.2f} ms of kernels per step")
+        for e in r["profile_top"]:
+            print(f"  {e['ms_per_step']:8.3f} ms  x{e['calls_per_step']:<6.1f} {e['name'][:90]}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def load_weights(model: CausalLM, weights: WeightsInput) -> None:
             if target is None:
                 raise KeyError(
                     f"update_weights: {name!r} is not a parameter of this {args.model_type} model "
-                    "(names look like 'model.layers.0.self_attn.q_proj.weight')"
+                    "(names look like 'model.layers.0.self_attn.o_proj.weight'; Hugging Face's q/k/v_proj and "
+                    "gate/up_proj are accepted and stacked)"
                 )
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(

@@ -59,6 +59,40 @@ def test_sharded_save_index_round_trip(tmp_path: Path) -> None:
     assert float((model(ids) - expected).abs().max() / expected.abs().max()) <= 1e-5
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_stacked_projections_keep_hf_names_on_disk(tmp_path: Path, arch: str) -> None:
+    """q/k/v and gate/up are one matrix each in memory, Hugging Face's separate tensors (biases too) on disk."""
+    args = preset_args(arch, "tiny")
+    args.attention_bias = True
+    if arch == "llama":
+        args.mlp_bias = True
+    model = build_random_model(args, dtype="float32", seed=3, std=0.2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)  # init zeroes them; a bias in the wrong rows must show in the logits
+    folder = save_pretrained(model, tmp_path / "ckpt")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        stored = set(f.keys())
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert f"model.layers.1.self_attn.{name}.bias" in stored
+    assert "model.layers.1.mlp.up_proj.weight" in stored
+    assert not any("qkv_proj" in key or "gate_up_proj" in key for key in stored)
+    assert state_equal(from_pretrained(folder), model)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = ids_for(model)
+    expected = hf(ids).logits
+    assert float((model(ids) - expected).abs().max() / expected.abs().max()) <= 1e-5
+
+
+def test_a_stacked_matrix_needs_all_its_parts() -> None:
+    model = tiny("qwen3")
+    q = model.model.layers[0].self_attn.qkv_proj.weight[: model.model.layers[0].self_attn.q_size]
+    with pytest.raises(ValueError, match=r"qkv_proj.weight lacks \['k_proj', 'v_proj'\]"):
+        list(checkpoint.hf_to_internal(iter([("model.layers.0.self_attn.q_proj.weight", q)]), model.args))
+
+
 def _fail_on_second_shard(monkeypatch: pytest.MonkeyPatch) -> None:
     real_save_file = checkpoint.save_file
     calls = {"n": 0}

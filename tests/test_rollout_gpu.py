@@ -245,3 +245,19 @@ def test_speculative_decoding_on_cuda_matches_plain_decoding() -> None:
     metrics = engine.metrics()
     assert metrics["rollout/spec_draft_tokens"] > 0
     assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
+
+
+def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    """The decode-step microbenchmark runs each schedule as a CUDA graph (small shape: it checks the
+    plumbing, not the numbers)."""
+    import json
+
+    from miles.rollout import bench_layers
+
+    assert (
+        bench_layers.main(["--model", "qwen3-0.6b", "--batch", "64", "--context", "128", "--iters", "2"]) == 0
+    )
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert set(report["ms"]) >= {"gemms", "attention", "serial", "serial-2mb", "overlap-2mb"}
+    assert all(isinstance(v, float) and v > 0 for v in report["ms"].values())
+    assert report["ms"]["serial"] >= 0.5 * (report["ms"]["gemms"] + report["ms"]["attention"])

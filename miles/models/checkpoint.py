@@ -1,7 +1,8 @@
 """Hugging Face checkpoint IO: config.json + (sharded) safetensors + index json. Never pickle.
 
-On disk, MoE experts use Hugging Face's per-expert names (`mlp.experts.E.gate_proj.weight`, ...); in
-memory they are stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`).
+On disk, tensors keep Hugging Face's names; in memory, matrices applied to the same input are stacked:
+`self_attn.q/k/v_proj` -> `self_attn.qkv_proj`, dense `mlp.gate/up_proj` -> `mlp.gate_up_proj`, and MoE
+experts (`mlp.experts.E.gate_proj.weight`, ...) -> `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ _EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _STACKED_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_ROW_PARTS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+_ROW_STACKED = {"self_attn": "qkv_proj", "mlp": "gate_up_proj"}
+_PART_KEY = re.compile(
+    r"^(model\.layers\.\d+\.(self_attn|mlp))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$"
+)
+_ROW_STACKED_KEY = re.compile(
+    r"^(model\.layers\.\d+\.(self_attn|mlp))\.(qkv_proj|gate_up_proj)\.(weight|bias)$"
+)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -73,10 +82,22 @@ def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def hf_to_internal(
     tensors: Iterator[tuple[str, torch.Tensor]], args: ModelArgs
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn on-disk names into the model's: per-expert matrices are stacked once all of a layer arrived."""
+    """Turn on-disk names into the model's: the parts of a stacked matrix are stacked once all of them
+    arrived (a layer's q/k/v, a dense MLP's gate/up, a layer's experts)."""
     pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    rows: dict[str, dict[str, torch.Tensor]] = {}
     needed = 3 * args.num_experts
     for key, tensor in tensors:
+        part = _PART_KEY.match(key)
+        if part is not None:
+            prefix, block, name, kind = part.groups()
+            stacked = f"{prefix}.{_ROW_STACKED[block]}.{kind}"
+            got = rows.setdefault(stacked, {})
+            got[name] = tensor
+            if len(got) == len(_ROW_PARTS[block]):
+                yield stacked, torch.cat([got[p] for p in _ROW_PARTS[block]], dim=0)
+                del rows[stacked]
+            continue
         match = _EXPERT_KEY.match(key)
         if match is None:
             if key.endswith("rotary_emb.inv_freq"):
@@ -99,12 +120,32 @@ def hf_to_internal(
             del pending[prefix]
     if pending:
         raise ValueError(f"checkpoint is missing expert weights for {sorted(pending)}")
+    if rows:
+        stacked, got = next(iter(rows.items()))
+        block = "self_attn" if ".self_attn." in stacked else "mlp"
+        missing = [p for p in _ROW_PARTS[block] if p not in got]
+        raise ValueError(
+            f"{len(rows)} stacked matrices got only some of their parts, e.g. {stacked} lacks {missing}; "
+            f"give {'/'.join(_ROW_PARTS[block])} together, or the stacked tensor under the model's name"
+        )
 
 
 def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's state dict in on-disk names (tied lm_head left out, experts split)."""
     for key, tensor in state.items():
         if key == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        stacked = _ROW_STACKED_KEY.match(key)
+        if stacked is not None:
+            prefix, block, _, kind = stacked.groups()
+            if block == "self_attn":
+                q_size = args.num_attention_heads * args.head_dim
+                kv_size = args.num_key_value_heads * args.head_dim
+                parts = tensor.split([q_size, kv_size, kv_size], dim=0)
+            else:
+                parts = tensor.chunk(2, dim=0)
+            for name, part_tensor in zip(_ROW_PARTS[block], parts):
+                yield f"{prefix}.{name}.{kind}", part_tensor
             continue
         match = _STACKED_KEY.match(key)
         if match is None:

@@ -1,7 +1,8 @@
 """`CausalLM`: the one model definition shared by the rollout engine and the torch trainer.
 
-Parameter names follow Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...), except that MoE
-experts are stacked tensors (see moe.py); `miles.models.checkpoint` maps to and from the on-disk names.
+Parameter names follow Hugging Face's (`model.layers.N.self_attn.o_proj.weight`, ...), except that matrices
+applied to the same input are stacked: `self_attn.qkv_proj` (q, k, v rows), `mlp.gate_up_proj` (gate, up
+rows) and the MoE experts (see moe.py); `miles.models.checkpoint` maps to and from the on-disk names.
 """
 
 from __future__ import annotations

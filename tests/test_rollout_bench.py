@@ -1,0 +1,76 @@
+"""`miles bench rollout` on CPU: the JSON it prints, the profiler window, the HF baseline, and the floors'
+byte and FLOP counts against the published Qwen3 parameter counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.models.presets import preset_args
+from miles.rollout import bench, bench_layers
+from miles.rollout.bench import decode_flops_per_token, decode_weight_bytes
+
+
+def run_bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert bench.main(list(argv)) == 0
+    out = capsys.readouterr().out
+    return json.loads(out.splitlines()[0])
+
+
+def test_bench_rollout_reports_the_work_it_did(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    r = run_bench(
+        capsys,
+        "--model", "tiny", "--num-prompts", "6", "--input-len", "12", "--output-len", "5", "--n", "2",
+        "--profile", str(tmp_path / "prof"), "--profile-start", "2", "--profile-steps", "3",
+    )  # fmt: skip
+    assert r["output_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+    # Each prompt is computed once for its two samples (the second recomputes only the last token, whose
+    # logits it samples from); the rest of the prompt tokens came from the cache.
+    assert r["prefill_tokens"] + r["cached_prompt_tokens"] == 6 * 2 * 12
+    assert r["prefill_tokens"] <= 6 * 12 + 6
+    assert r["prefix_hit_rate"] == pytest.approx(r["cached_prompt_tokens"] / (6 * 2 * 12))
+    assert r["preemptions"] == 0
+    assert "roofline_output_tokens_per_s" not in r  # the bytes roofline is a GPU number
+    assert r["profile_ms_per_step"] > 0
+    assert any("mm" in e["name"] or "linear" in e["name"] for e in r["profile_top"])
+    trace = json.loads((tmp_path / "prof" / "trace.json").read_text())
+    assert trace["traceEvents"]
+
+
+def test_bench_rollout_hf_baseline_uses_return_sequences(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench(
+        capsys,
+        "--model", "tiny", "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--n", "2",
+        "--hf-baseline", "--radix-cache", "off",
+    )  # fmt: skip
+    assert r["prefill_tokens"] == 3 * 2 * 8 and r["cached_prompt_tokens"] == 0
+    assert r["hf_num_prompts"] == 3 and r["hf_output_len"] == 4
+    assert r["hf_logits_rel_err"] < 1e-5  # the baseline runs the same weights
+    assert r["speedup_vs_hf"] == pytest.approx(r["output_tokens_per_s"] / r["hf_output_tokens_per_s"])
+
+
+def test_floor_counts_match_published_qwen3_sizes() -> None:
+    # Qwen3-8B: 6.95B parameters besides the embedding and the (untied) lm_head, which is 151936 x 4096.
+    args = preset_args(None, "qwen3-8b")
+    lm_head = 151936 * 4096
+    assert decode_weight_bytes(args, torch.bfloat16, 512) == pytest.approx(2 * (6.95e9 + lm_head), rel=0.01)
+    assert decode_flops_per_token(args, 0) == pytest.approx(2 * (6.95e9 + lm_head), rel=0.01)
+    # Attention FLOPs: q.k and p.v, 2 FLOPs each per head dimension per cached token per head per layer.
+    assert decode_flops_per_token(args, 1000) - decode_flops_per_token(args, 0) == 4 * 1000 * 32 * 128 * 36
+    # Qwen3-30B-A3B: 3.3B activated of 30.5B; one token touches only its 8 of 128 experts per layer, a
+    # large batch all of them.
+    moe = preset_args(None, "qwen3-30b-a3b")
+    embedding = 151936 * 2048
+    assert decode_flops_per_token(moe, 0) == pytest.approx(2 * (3.3e9 - embedding), rel=0.03)
+    assert decode_weight_bytes(moe, torch.bfloat16, 1) == pytest.approx(2 * (3.3e9 - embedding), rel=0.03)
+    assert decode_weight_bytes(moe, torch.bfloat16, 4096) == pytest.approx(2 * (30.5e9 - embedding), rel=0.03)
+
+
+def test_bench_layers_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU; tests/test_rollout_gpu.py runs it")
+    assert bench_layers.main(["--model", "qwen3-0.6b"]) == 2
+    assert "CUDA" in capsys.readouterr().err
