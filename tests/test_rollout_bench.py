@@ -34,7 +34,7 @@ def test_bench_rollout_reports_the_work_it_did(capsys: pytest.CaptureFixture[str
     assert r["prefix_hit_rate"] == pytest.approx(r["cached_prompt_tokens"] / (6 * 2 * 12))
     assert r["preemptions"] == 0
     assert "roofline_output_tokens_per_s" not in r  # the bytes roofline is a GPU number
-    assert r["profile_ms_per_step"] > 0
+    assert r["profile_ms_per_step"] > 0 and r["profile_wall_ms_per_step"] > 0
     assert any("mm" in e["name"] or "linear" in e["name"] for e in r["profile_top"])
     trace = json.loads((tmp_path / "prof" / "trace.json").read_text())
     assert trace["traceEvents"]
