@@ -113,40 +113,72 @@ def add_breakdown(engine: Engine, totals: dict[str, float]) -> None:
     timed(engine, "step", "step_total", False)
 
 
-def add_profiler(engine: Engine, a: argparse.Namespace, report: dict[str, Any]) -> None:
-    """Profile a window of engine steps (by default well into decode, after the prompts are in)."""
-    from torch.profiler import ProfilerActivity, profile
+class StepProfiler:
+    """torch.profiler over a window of engine steps (by default well into decode, after the prompts are in).
 
-    inner = engine.step
-    count = 0
-    prof: Any = None
-    started = 0.0
+    `finish()` (called once the run is over, whatever happened) closes a window the run ended inside of,
+    reporting the steps it did hold, and says so on stderr when the run never reached the window."""
 
-    def wrapper() -> list[Any]:
-        nonlocal count, prof, started
-        if count == a.profile_start:
-            activities = [ProfilerActivity.CPU]
-            if engine.device.type == "cuda":
-                activities.append(ProfilerActivity.CUDA)
-                # Finish the step in flight first, so the window holds the kernels of its own steps only.
-                torch.cuda.synchronize(engine.device)
-            prof = profile(activities=activities)
-            prof.__enter__()
-            started = time.perf_counter()
-        out = inner()
-        count += 1
-        if prof is not None and count == a.profile_start + a.profile_steps:
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)
-            wall_ms = 1e3 * (time.perf_counter() - started) / a.profile_steps
-            prof.__exit__(None, None, None)
-            report.update(profile_summary(prof, a.profile_steps), profile_wall_ms_per_step=wall_ms)
-            Path(a.profile).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(a.profile) / "trace.json"))
-            prof = None
-        return out
+    def __init__(self, engine: Engine, a: argparse.Namespace, report: dict[str, Any]) -> None:
+        if a.profile_steps < 1 or a.profile_start < 0:
+            raise SystemExit("miles bench rollout: --profile-steps must be >= 1 and --profile-start >= 0")
+        self.engine, self.a, self.report = engine, a, report
+        self.count = self.profiled = 0
+        self.prof: Any = None
+        self.started = 0.0
+        inner = engine.step
 
-    engine.step = wrapper  # type: ignore[method-assign]
+        def step() -> list[Any]:
+            if self.count == a.profile_start:
+                self._open()
+            try:
+                return inner()
+            finally:
+                self.count += 1
+                if self.prof is not None:
+                    self.profiled += 1
+                    if self.profiled == a.profile_steps:
+                        self._close()
+
+        engine.step = step  # type: ignore[method-assign]
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def _open(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.engine.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._sync()  # the step in flight finishes first: the window holds its own steps' kernels only
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.started = time.perf_counter()
+
+    def _close(self) -> None:
+        self._sync()
+        wall_ms = 1e3 * (time.perf_counter() - self.started) / self.profiled
+        self.prof.__exit__(None, None, None)
+        self.report.update(
+            profile_summary(self.prof, self.profiled),
+            profile_wall_ms_per_step=wall_ms,
+            profile_steps=self.profiled,
+        )
+        Path(self.a.profile).mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(Path(self.a.profile) / "trace.json"))
+        self.prof = None
+
+    def finish(self) -> None:
+        if self.prof is not None:
+            self._close()
+        if self.count <= self.a.profile_start:
+            print(
+                f"miles bench rollout: the run took {self.count} engine steps, so the profile window "
+                f"(--profile-start {self.a.profile_start}) was never reached; nothing was profiled",
+                file=sys.stderr,
+            )
 
 
 def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
@@ -301,16 +333,19 @@ def main(argv: list[str]) -> int:
     if a.breakdown:
         add_breakdown(engine, breakdown)
     profile_report: dict[str, Any] = {}
-    if a.profile:
-        add_profiler(engine, a, profile_report)
+    profiler = StepProfiler(engine, a, profile_report) if a.profile else None
     if on_gpu:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    samples = engine.generate(prompts, params)
-    if on_gpu:
-        torch.cuda.synchronize(device)
-    wall = time.perf_counter() - t0
+    try:
+        samples = engine.generate(prompts, params)
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    finally:
+        if profiler is not None:
+            profiler.finish()
     stats = engine.stats
     out_tokens = sum(len(s.response_ids) for s in samples)
     result: dict[str, Any] = {

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from miles.models.checkpoint import hf_to_internal
+from miles.models.checkpoint import copy_named_tensors
 from miles.models.model import CausalLM
 
 WeightsInput = (
@@ -15,23 +15,8 @@ WeightsInput = (
 
 
 def load_weights(model: CausalLM, weights: WeightsInput) -> None:
-    """Copy every given tensor into the model's parameter of that name (shapes must match)."""
-    args = model.args
-    params = dict(model.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for name, tensor in hf_to_internal(named_tensors(weights), args):
-            target = params.get(name)
-            if target is None:
-                raise KeyError(
-                    f"update_weights: {name!r} is not a parameter of this {args.model_type} model "
-                    "(names look like 'model.layers.0.self_attn.o_proj.weight'; Hugging Face's q/k/v_proj and "
-                    "gate/up_proj are accepted and stacked)"
-                )
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, the model's is {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
+    """Copy every given tensor into its place in the model (shapes must match); any subset may be given."""
+    copy_named_tensors(model, named_tensors(weights), "update_weights")
 
 
 def named_tensors(weights: WeightsInput) -> Iterator[tuple[str, torch.Tensor]]:

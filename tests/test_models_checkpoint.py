@@ -86,11 +86,39 @@ def test_stacked_projections_keep_hf_names_on_disk(tmp_path: Path, arch: str) ->
     assert float((model(ids) - expected).abs().max() / expected.abs().max()) <= 1e-5
 
 
-def test_a_stacked_matrix_needs_all_its_parts() -> None:
-    model = tiny("qwen3")
-    q = model.model.layers[0].self_attn.qkv_proj.weight[: model.model.layers[0].self_attn.q_size]
-    with pytest.raises(ValueError, match=r"qkv_proj.weight lacks \['k_proj', 'v_proj'\]"):
-        list(checkpoint.hf_to_internal(iter([("model.layers.0.self_attn.q_proj.weight", q)]), model.args))
+def test_parts_of_stacked_matrices_load_on_their_own() -> None:
+    """A weight update may carry any subset of parts (e.g. only q_proj and v_proj, or one expert's up_proj);
+    a checkpoint load must cover every row."""
+    from miles.rollout.weights import load_weights
+
+    model, new = tiny("qwen3_moe", seed=0), tiny("qwen3_moe", seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hf_new = dict(checkpoint.internal_to_hf(new.state_dict(), new.args))
+    attn, experts = "model.layers.0.self_attn", "model.layers.1.mlp.experts"
+    load_weights(model, [(f"{attn}.v_proj.weight", hf_new[f"{attn}.v_proj.weight"])])
+    load_weights(model, {f"{experts}.2.up_proj.weight": hf_new[f"{experts}.2.up_proj.weight"]})
+    a = model.model.layers[0].self_attn
+    qkv, qkv_before = a.qkv_proj.weight, before[f"{attn}.qkv_proj.weight"]
+    assert torch.equal(qkv[: a.q_size + a.kv_size], qkv_before[: a.q_size + a.kv_size])
+    assert torch.equal(qkv[a.q_size + a.kv_size :], hf_new[f"{attn}.v_proj.weight"])
+    size = model.args.moe_intermediate_size
+    gate_up = model.model.layers[1].mlp.experts.gate_up_proj
+    assert torch.equal(gate_up[2, size:], hf_new[f"{experts}.2.up_proj.weight"])
+    assert torch.equal(gate_up[2, :size], before[f"{experts}.gate_up_proj"][2, :size])
+    assert torch.equal(gate_up[1], before[f"{experts}.gate_up_proj"][1])
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert sorted(changed) == [f"{attn}.qkv_proj.weight", f"{experts}.gate_up_proj"]
+    with pytest.raises(ValueError, match="shape"):
+        load_weights(model, {f"{attn}.k_proj.weight": hf_new[f"{attn}.q_proj.weight"]})
+    with pytest.raises(KeyError, match="not a parameter"):
+        load_weights(model, {f"{experts}.999.up_proj.weight": hf_new[f"{experts}.2.up_proj.weight"]})
+
+    incomplete = {k: v for k, v in hf_new.items() if k != f"{attn}.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing 1 tensors .*qkv_proj"):
+        checkpoint.load_state_into(tiny("qwen3_moe"), iter(incomplete.items()))
+    fresh = tiny("qwen3_moe", seed=5)
+    checkpoint.load_state_into(fresh, iter(hf_new.items()))
+    assert state_equal(fresh, new)
 
 
 def _fail_on_second_shard(monkeypatch: pytest.MonkeyPatch) -> None:

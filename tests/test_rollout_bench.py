@@ -74,3 +74,20 @@ def test_bench_layers_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.skip("has a GPU; tests/test_rollout_gpu.py runs it")
     assert bench_layers.main(["--model", "qwen3-0.6b"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_bench_profile_window_past_the_end_of_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A window the run ends inside of is closed and reported with the steps it held; one never reached
+    says so."""
+    argv = ["--model", "tiny", "--num-prompts", "2", "--input-len", "6", "--output-len", "3"]
+    r = run_bench(
+        capsys, *argv, "--profile", str(tmp_path / "a"), "--profile-start", "1", "--profile-steps", "50"
+    )
+    assert 1 <= r["profile_steps"] < 50 and (tmp_path / "a" / "trace.json").exists()
+    assert torch.autograd.profiler._is_profiler_enabled is False
+    assert bench.main([*argv, "--profile", str(tmp_path / "b"), "--profile-start", "500"]) == 0
+    out = capsys.readouterr()
+    assert "profile_steps" not in json.loads(out.out.splitlines()[0])
+    assert "never reached" in out.err and not (tmp_path / "b").exists()

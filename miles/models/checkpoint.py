@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,55 +79,68 @@ def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def hf_to_internal(
-    tensors: Iterator[tuple[str, torch.Tensor]], args: ModelArgs
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Turn on-disk names into the model's: the parts of a stacked matrix are stacked once all of them
-    arrived (a layer's q/k/v, a dense MLP's gate/up, a layer's experts)."""
-    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    rows: dict[str, dict[str, torch.Tensor]] = {}
-    needed = 3 * args.num_experts
-    for key, tensor in tensors:
-        part = _PART_KEY.match(key)
-        if part is not None:
-            prefix, block, name, kind = part.groups()
-            stacked = f"{prefix}.{_ROW_STACKED[block]}.{kind}"
-            got = rows.setdefault(stacked, {})
-            got[name] = tensor
-            if len(got) == len(_ROW_PARTS[block]):
-                yield stacked, torch.cat([got[p] for p in _ROW_PARTS[block]], dim=0)
-                del rows[stacked]
-            continue
-        match = _EXPERT_KEY.match(key)
-        if match is None:
-            if key.endswith("rotary_emb.inv_freq"):
+def model_slot(key: str, args: ModelArgs) -> tuple[str, tuple[int | slice, ...]] | None:
+    """Where a tensor named as on disk (Hugging Face) or as in the model goes: (parameter name, index into
+    it). A part of a stacked matrix (a layer's q_proj, an expert's up_proj) is a slice of its rows, so parts
+    load one by one, in any order, and on their own. None for tensors the model does not keep."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return None
+    part = _PART_KEY.match(key)
+    if part is not None:
+        prefix, block, name, kind = part.groups()
+        if block == "self_attn":
+            q_size = args.num_attention_heads * args.head_dim  # type: ignore[operator]
+            kv_size = args.num_key_value_heads * args.head_dim  # type: ignore[operator]
+            sizes = [q_size, kv_size, kv_size]
+        else:
+            sizes = [args.intermediate_size] * 2
+        i = _ROW_PARTS[block].index(name)
+        return f"{prefix}.{_ROW_STACKED[block]}.{kind}", (slice(sum(sizes[:i]), sum(sizes[: i + 1])),)
+    expert = _EXPERT_KEY.match(key)
+    if expert is not None:
+        prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+        size = args.moe_intermediate_size
+        if proj == "down_proj":
+            return f"{prefix}.down_proj", (e,)
+        rows = slice(0, size) if proj == "gate_proj" else slice(size, 2 * size)
+        return f"{prefix}.gate_up_proj", (e, rows)
+    # The model's own names (transformers 5 may also write experts stacked) go where they say.
+    return key, ()
+
+
+def copy_named_tensors(
+    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str
+) -> dict[str, int]:
+    """Copy each tensor into its place in the model (`model_slot`); returns how many elements of each
+    parameter were written (a tensor given twice counts once)."""
+    args = model.args
+    params = dict(model.named_parameters(remove_duplicate=False))
+    written: dict[str, int] = {}
+    seen: set[str] = set()
+    with torch.no_grad():
+        for key, tensor in tensors:
+            slot = model_slot(key, args)
+            if slot is None:
                 continue
-            # transformers 5 may already write stacked experts; those pass through unchanged.
-            yield key, tensor
-            continue
-        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-        layer = pending.setdefault(prefix, {})
-        layer[(expert, proj)] = tensor
-        if len(layer) == needed:
-            experts = range(args.num_experts)
-            yield (
-                f"{prefix}.gate_up_proj",
-                torch.stack(
-                    [torch.cat([layer[(e, "gate_proj")], layer[(e, "up_proj")]], dim=0) for e in experts]
-                ),
-            )
-            yield f"{prefix}.down_proj", torch.stack([layer[(e, "down_proj")] for e in experts])
-            del pending[prefix]
-    if pending:
-        raise ValueError(f"checkpoint is missing expert weights for {sorted(pending)}")
-    if rows:
-        stacked, got = next(iter(rows.items()))
-        block = "self_attn" if ".self_attn." in stacked else "mlp"
-        missing = [p for p in _ROW_PARTS[block] if p not in got]
-        raise ValueError(
-            f"{len(rows)} stacked matrices got only some of their parts, e.g. {stacked} lacks {missing}; "
-            f"give {'/'.join(_ROW_PARTS[block])} together, or the stacked tensor under the model's name"
-        )
+            name, index = slot
+            target = params.get(name)
+            if target is None or (index and isinstance(index[0], int) and index[0] >= target.shape[0]):
+                raise KeyError(
+                    f"{source}: {key!r} is not a parameter of this {args.model_type} model (names look like "
+                    "'model.layers.0.self_attn.o_proj.weight'; Hugging Face's q/k/v_proj, gate/up_proj and "
+                    "per-expert names are accepted)"
+                )
+            place = target[index]
+            if tuple(place.shape) != tuple(tensor.shape):
+                where = name if not index else f"its rows of {name}"
+                raise ValueError(
+                    f"{source}: {key} has shape {tuple(tensor.shape)}, {where} has {tuple(place.shape)}"
+                )
+            place.copy_(tensor)
+            if key not in seen:
+                seen.add(key)
+                written[name] = written.get(name, 0) + place.numel()
+    return written
 
 
 def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,25 +174,14 @@ def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[
                 yield f"{prefix}.{expert}.down_proj.weight", tensor[expert]
 
 
-def load_state_into(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
-    for key, tensor in hf_to_internal(tensors, model.args):
-        if key not in params:
-            raise KeyError(f"checkpoint tensor {key!r} has no place in a {model.args.model_type} model")
-        target = params[key]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"shape mismatch for {key}: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(tensor)
-        seen.add(key)
-    if model.args.tie_word_embeddings:
-        seen.add("lm_head.weight")
-    missing = sorted(set(params) - seen)
+def load_state_into(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load a whole checkpoint (Hugging Face or model names); every parameter must be covered."""
+    written = copy_named_tensors(model, tensors, "checkpoint")
+    missing = [name for name, p in model.named_parameters() if written.get(name, 0) < p.numel()]
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        raise ValueError(
+            f"checkpoint is missing {len(missing)} tensors (or parts of stacked ones), e.g. {missing[:5]}"
+        )
 
 
 def from_pretrained(

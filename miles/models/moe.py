@@ -87,7 +87,11 @@ class Experts(nn.Module):
         )
         order = torch.argsort(narrow, stable=True)
         token_of = order // k
-        sorted_x = x.index_select(0, token_of)  # a row gather; x[token_of] runs the slower generic indexing
+        if torch.is_grad_enabled() and x.requires_grad:
+            # Indexing's backward sums each token's k copies in a fixed order; index_select's uses atomics.
+            sorted_x = x[token_of]
+        else:
+            sorted_x = x.index_select(0, token_of)  # a plain row gather, faster than generic indexing
         if x.is_cuda:  # bincount reads its max back to the host; scatter_add keeps the step free of syncs
             counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
             counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
