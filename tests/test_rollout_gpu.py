@@ -141,12 +141,22 @@ def test_grouped_gemm_experts_match_the_loop() -> None:
         reference = experts(x, chosen, weights)  # float32: the per-expert loop
         grouped = experts.to(torch.bfloat16)(x.bfloat16(), chosen, weights.bfloat16()).float()
     assert float((grouped - reference).norm() / reference.norm()) < 2e-2
-    # The trainer's backward through the dispatch is reproducible bit for bit (no atomic sums of a token's
-    # k copies).
+
+
+def test_expert_dispatch_backward_is_reproducible() -> None:
+    """The trainer's gradient through the dispatch is the same bit for bit run to run (a token's k copies
+    are not summed with atomics; index_select's backward would: bf16 grads then differ by up to 0.5)."""
+    torch.manual_seed(0)
+    experts = Experts(64, 512, 256).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(experts.down_proj, std=0.05)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.rand(4096, 64, device="cuda").topk(8, dim=-1).indices
+    weights = torch.rand(4096, 8, device="cuda", dtype=torch.bfloat16)
     grads = []
-    for _ in range(3):
-        xx = x.bfloat16().requires_grad_()
-        experts(xx, chosen, weights.bfloat16()).float().square().sum().backward()
+    for _ in range(4):
+        xx = x.clone().requires_grad_()
+        experts(xx, chosen, weights).float().square().sum().backward()
         grads.append(xx.grad)
     assert all(torch.equal(grads[0], g) for g in grads[1:])
 
