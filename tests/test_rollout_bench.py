@@ -15,7 +15,7 @@ from miles.rollout.bench import decode_flops_per_token, decode_weight_bytes
 
 
 def run_bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert bench.main(list(argv)) == 0
+    assert bench.main([*argv, "--device", "cpu"]) == 0  # the CPU report, on a GPU machine too
     out = capsys.readouterr().out
     return json.loads(out.splitlines()[0])
 
@@ -87,7 +87,10 @@ def test_bench_profile_window_past_the_end_of_the_run(
     )
     assert 1 <= r["profile_steps"] < 50 and (tmp_path / "a" / "trace.json").exists()
     assert torch.autograd.profiler._is_profiler_enabled is False
-    assert bench.main([*argv, "--profile", str(tmp_path / "b"), "--profile-start", "500"]) == 0
+    assert (
+        bench.main([*argv, "--device", "cpu", "--profile", str(tmp_path / "b"), "--profile-start", "500"])
+        == 0
+    )
     out = capsys.readouterr()
     assert "profile_steps" not in json.loads(out.out.splitlines()[0])
     assert "never reached" in out.err and not (tmp_path / "b").exists()
