@@ -149,25 +149,23 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Te
     accumulated in float64; and each row's total weight (float64).
 
     Two levels keep it cheap on a large vocabulary: pick a block of 1024 tokens from the blocks' masses,
-    then a token inside that block. Neither level ever picks a zero-probability block or token. The sums
-    read `weights` once and accumulate in float64 without a float64 copy of the rows.
+    then a token inside that block. Neither level ever picks a zero-probability block or token.
     """
     rows, vocab = weights.shape
-    full = vocab // _CDF_BLOCK
-    masses = []
-    if full:  # a view: the columns of the full blocks, split into blocks
-        blocks = weights[:, : full * _CDF_BLOCK].reshape(rows, full, _CDF_BLOCK)
-        masses.append(blocks.sum(dim=-1, dtype=torch.float64))
-    if vocab > full * _CDF_BLOCK:
-        masses.append(weights[:, full * _CDF_BLOCK :].sum(dim=-1, keepdim=True, dtype=torch.float64))
-    mass = masses[0] if len(masses) == 1 else torch.cat(masses, dim=-1)
+    pad = (-vocab) % _CDF_BLOCK
+    probs = torch.empty(rows, vocab + pad, dtype=torch.float64, device=weights.device)
+    probs[:, :vocab] = weights  # one float64 copy, padded, that the sums below share
+    if pad:
+        probs[:, vocab:] = 0.0
+    blocks = probs.view(rows, -1, _CDF_BLOCK)
+    mass = blocks.sum(dim=-1)
     cdf = torch.cumsum(mass, dim=-1)
     target = uniform[:, None] * cdf[:, -1:]
     block = _draw(cdf, target)
     inside = target - (cdf.gather(-1, block) - mass.gather(-1, block))
-    cols = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=weights.device)
-    inner = weights.gather(-1, cols.clamp(max=vocab - 1)).double().masked_fill_(cols >= vocab, 0.0)
-    token = (block * _CDF_BLOCK + _draw(torch.cumsum(inner, dim=-1), inside)).squeeze(-1)
+    flat = torch.arange(rows, device=probs.device) * blocks.shape[1] + block.squeeze(-1)
+    inner_cdf = torch.cumsum(blocks.view(-1, _CDF_BLOCK).index_select(0, flat), dim=-1)
+    token = (block * _CDF_BLOCK + _draw(inner_cdf, inside)).squeeze(-1)
     return token.clamp_(max=vocab - 1), cdf[:, -1]  # the clamp only ever moves NaN rows out of the padding
 
 
