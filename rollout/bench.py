@@ -122,6 +122,7 @@ class StepProfiler:
     def __init__(self, engine: Engine, a: argparse.Namespace, report: dict[str, Any]) -> None:
         if a.profile_steps < 1 or a.profile_start < 0:
             raise SystemExit("miles bench rollout: --profile-steps must be >= 1 and --profile-start >= 0")
+        Path(a.profile).mkdir(parents=True, exist_ok=True)  # a bad path fails now, not after the run
         self.engine, self.a, self.report = engine, a, report
         self.count = self.profiled = 0
         self.prof: Any = None
@@ -160,20 +161,19 @@ class StepProfiler:
     def _close(self) -> None:
         self._sync()
         wall_ms = 1e3 * (time.perf_counter() - self.started) / self.profiled
-        self.prof.__exit__(None, None, None)
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
         self.report.update(
-            profile_summary(self.prof, self.profiled),
+            profile_summary(prof, self.profiled),
             profile_wall_ms_per_step=wall_ms,
             profile_steps=self.profiled,
         )
-        Path(self.a.profile).mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(Path(self.a.profile) / "trace.json"))
-        self.prof = None
+        prof.export_chrome_trace(str(Path(self.a.profile) / "trace.json"))
 
-    def finish(self) -> None:
+    def finish(self, completed: bool) -> None:
         if self.prof is not None:
             self._close()
-        if self.count <= self.a.profile_start:
+        if completed and self.count <= self.a.profile_start:
             print(
                 f"miles bench rollout: the run took {self.count} engine steps, so the profile window "
                 f"(--profile-start {self.a.profile_start}) was never reached; nothing was profiled",
@@ -338,14 +338,16 @@ def main(argv: list[str]) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
+    completed = False
     try:
         samples = engine.generate(prompts, params)
         if on_gpu:
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
+        completed = True
     finally:
         if profiler is not None:
-            profiler.finish()
+            profiler.finish(completed)
     stats = engine.stats
     out_tokens = sum(len(s.response_ids) for s in samples)
     result: dict[str, Any] = {

@@ -110,15 +110,34 @@ def test_parts_of_stacked_matrices_load_on_their_own() -> None:
     assert sorted(changed) == [f"{attn}.qkv_proj.weight", f"{experts}.gate_up_proj"]
     with pytest.raises(ValueError, match="shape"):
         load_weights(model, {f"{attn}.k_proj.weight": hf_new[f"{attn}.q_proj.weight"]})
-    with pytest.raises(KeyError, match="not a parameter"):
+    with pytest.raises(KeyError, match="has no place"):
         load_weights(model, {f"{experts}.999.up_proj.weight": hf_new[f"{experts}.2.up_proj.weight"]})
 
-    incomplete = {k: v for k, v in hf_new.items() if k != f"{attn}.k_proj.weight"}
-    with pytest.raises(ValueError, match=r"missing 1 tensors .*qkv_proj"):
+    # A checkpoint load names the Hugging Face tensors it lacks; another spelling of a present one
+    # (expert "02" for expert 2) does not stand in for a missing one.
+    incomplete = {
+        k: v for k, v in hf_new.items() if k not in (f"{attn}.k_proj.weight", f"{experts}.3.gate_proj.weight")
+    }
+    incomplete[f"{experts}.02.up_proj.weight"] = hf_new[f"{experts}.2.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing 2 tensors") as err:
         checkpoint.load_state_into(tiny("qwen3_moe"), iter(incomplete.items()))
+    assert f"{attn}.k_proj.weight" in str(err.value) and f"{experts}.3.gate_proj.weight" in str(err.value)
     fresh = tiny("qwen3_moe", seed=5)
     checkpoint.load_state_into(fresh, iter(hf_new.items()))
     assert state_equal(fresh, new)
+
+
+def test_tied_lm_head_in_a_checkpoint_is_ignored() -> None:
+    """With tied embeddings the embedding is the one matrix (as in transformers), whatever order a stray
+    lm_head.weight arrives in."""
+    model = tiny("qwen3", seed=0)
+    model.args.tie_word_embeddings = True
+    fresh = build_random_model(model.args, dtype="float32", seed=1)
+    state = dict(checkpoint.internal_to_hf(model.state_dict(), model.args))
+    stray = {"lm_head.weight": torch.randn_like(state["model.embed_tokens.weight"])}
+    checkpoint.load_state_into(fresh, iter([*state.items(), *stray.items()]))
+    assert torch.equal(fresh.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
 
 
 def _fail_on_second_shard(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,4 +93,7 @@ def test_bench_profile_window_past_the_end_of_the_run(
     )
     out = capsys.readouterr()
     assert "profile_steps" not in json.loads(out.out.splitlines()[0])
-    assert "never reached" in out.err and not (tmp_path / "b").exists()
+    assert "never reached" in out.err and not (tmp_path / "b" / "trace.json").exists()
+    (tmp_path / "c").write_text("a file")
+    with pytest.raises(FileExistsError):  # refused before the run, not after it
+        bench.main([*argv, "--device", "cpu", "--profile", str(tmp_path / "c")])

@@ -110,36 +110,36 @@ def model_slot(key: str, args: ModelArgs) -> tuple[str, tuple[int | slice, ...]]
 
 def copy_named_tensors(
     model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str
-) -> dict[str, int]:
-    """Copy each tensor into its place in the model (`model_slot`); returns how many elements of each
-    parameter were written (a tensor given twice counts once)."""
+) -> set[tuple[str, str]]:
+    """Copy each tensor into its place in the model (`model_slot`); returns the places written, as
+    (parameter name, index) pairs. With tied embeddings an `lm_head.weight` is skipped, as transformers
+    does: the embedding is the one matrix, whatever order the two arrive in."""
     args = model.args
-    params = dict(model.named_parameters(remove_duplicate=False))
-    written: dict[str, int] = {}
-    seen: set[str] = set()
+    params = dict(model.named_parameters())
+    written: set[tuple[str, str]] = set()
     with torch.no_grad():
         for key, tensor in tensors:
             slot = model_slot(key, args)
-            if slot is None:
+            if slot is None or (key == "lm_head.weight" and args.tie_word_embeddings):
                 continue
             name, index = slot
             target = params.get(name)
             if target is None or (index and isinstance(index[0], int) and index[0] >= target.shape[0]):
                 raise KeyError(
-                    f"{source}: {key!r} is not a parameter of this {args.model_type} model (names look like "
-                    "'model.layers.0.self_attn.o_proj.weight'; Hugging Face's q/k/v_proj, gate/up_proj and "
-                    "per-expert names are accepted)"
+                    f"{source}: {key!r} has no place in this {args.model_type} model ({args.num_hidden_layers} "
+                    f"layers, {args.num_experts or 'no'} experts, biases: attention {args.attention_bias}, mlp "
+                    f"{args.mlp_bias}). Names are Hugging Face's (q/k/v_proj, gate/up_proj, per-expert) or the "
+                    "model's own (qkv_proj, gate_up_proj); check that config.json matches the weights"
                 )
             place = target[index]
             if tuple(place.shape) != tuple(tensor.shape):
-                where = name if not index else f"its rows of {name}"
                 raise ValueError(
-                    f"{source}: {key} has shape {tuple(tensor.shape)}, {where} has {tuple(place.shape)}"
+                    f"{source}: {key} has shape {tuple(tensor.shape)} but this model's place for it is "
+                    f"{tuple(place.shape)}; check that config.json (heads, head_dim, intermediate sizes) matches "
+                    "the weights"
                 )
             place.copy_(tensor)
-            if key not in seen:
-                seen.add(key)
-                written[name] = written.get(name, 0) + place.numel()
+            written.add((name, repr(index)))
     return written
 
 
@@ -175,13 +175,20 @@ def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[
 
 
 def load_state_into(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load a whole checkpoint (Hugging Face or model names); every parameter must be covered."""
+    """Load a whole checkpoint (Hugging Face or model names); every row of every parameter must be given."""
+    args = model.args
     written = copy_named_tensors(model, tensors, "checkpoint")
-    missing = [name for name, p in model.named_parameters() if written.get(name, 0) < p.numel()]
+    missing: list[str] = []
+    for name, param in model.named_parameters():
+        if (name, "()") in written:
+            continue
+        # Not given whole: each of its Hugging Face parts must have been.
+        for key, _ in internal_to_hf({name: param}, args):
+            slot = model_slot(key, args)
+            if slot is not None and (slot[0], repr(slot[1])) not in written:
+                missing.append(key)
     if missing:
-        raise ValueError(
-            f"checkpoint is missing {len(missing)} tensors (or parts of stacked ones), e.g. {missing[:5]}"
-        )
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
 
 def from_pretrained(
