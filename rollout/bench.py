@@ -9,10 +9,12 @@ line, then a short table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +45,30 @@ _BENCH_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def median_cuda_seconds(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:
+    """Median device time of `fn` (CUDA events around each call), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_copy_bandwidth(device: torch.device) -> float:
     """Device-to-device copy, bytes read + written per second (median of 10)."""
     src = torch.randn(512 * 1024 * 1024, device=device, dtype=torch.float32)  # 2 GiB
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
+    copy = functools.partial(dst.copy_, src)
+    seconds = median_cuda_seconds(copy, iters=10, warmup=2)
+    del src, dst, copy
     torch.cuda.empty_cache()
-    return 2 * 512 * 1024 * 1024 * 4 / sorted(times[2:])[len(times[2:]) // 2]
+    return 2 * 512 * 1024 * 1024 * 4 / seconds
 
 
 def decode_weight_bytes(args: ModelArgs, dtype: torch.dtype, batch: float) -> float:

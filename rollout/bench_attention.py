@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from miles.models.presets import preset_args
-from miles.rollout.bench import measure_copy_bandwidth
+from miles.rollout.bench import measure_copy_bandwidth, median_cuda_seconds
 
 VARIANTS = {
     "fa2-tensor-core": dict(use_tensor_cores=True, backend="fa2"),
@@ -75,15 +75,7 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
         ref.append(torch.einsum("kgt,tkd->kgd", scores.softmax(-1), vb).reshape(hq, d))
     ref_t = torch.stack(ref)
     rel_err = float((out[: len(ref)].float() - ref_t).norm() / ref_t.norm())
-    times = []
-    for _ in range(a.iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        wrapper.run(q, (k, v))
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    seconds = sorted(times)[len(times) // 2]
+    seconds = median_cuda_seconds(lambda: wrapper.run(q, (k, v)), a.iters)
     kv_bytes = 2 * a.batch * a.context * hkv * d * 2
     return {"variant": name, "seconds": seconds, "kv_bytes_per_s": kv_bytes / seconds, "rel_err": rel_err}
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.presets import preset_args
-from miles.rollout.bench import decode_weight_bytes, measure_copy_bandwidth
+from miles.rollout.bench import decode_weight_bytes, measure_copy_bandwidth, median_cuda_seconds
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -182,15 +182,7 @@ def graph_ms(fn: Callable[[], None], iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return 1e3 * median_cuda_seconds(graph.replay, iters)
 
 
 def main(argv: list[str]) -> int:
