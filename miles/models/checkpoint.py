@@ -79,6 +79,15 @@ def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
+def _row_sizes(block: str, args: ModelArgs) -> list[int]:
+    """Rows of each part of a stacked matrix, in `_ROW_PARTS` order."""
+    if block == "self_attn":
+        q_size = args.num_attention_heads * args.head_dim  # type: ignore[operator]
+        kv_size = args.num_key_value_heads * args.head_dim  # type: ignore[operator]
+        return [q_size, kv_size, kv_size]
+    return [args.intermediate_size] * 2
+
+
 def model_slot(key: str, args: ModelArgs) -> tuple[str, tuple[int | slice, ...]] | None:
     """Where a tensor named as on disk (Hugging Face) or as in the model goes: (parameter name, index into
     it). A part of a stacked matrix (a layer's q_proj, an expert's up_proj) is a slice of its rows, so parts
@@ -88,12 +97,7 @@ def model_slot(key: str, args: ModelArgs) -> tuple[str, tuple[int | slice, ...]]
     part = _PART_KEY.match(key)
     if part is not None:
         prefix, block, name, kind = part.groups()
-        if block == "self_attn":
-            q_size = args.num_attention_heads * args.head_dim  # type: ignore[operator]
-            kv_size = args.num_key_value_heads * args.head_dim  # type: ignore[operator]
-            sizes = [q_size, kv_size, kv_size]
-        else:
-            sizes = [args.intermediate_size] * 2
+        sizes = _row_sizes(block, args)
         i = _ROW_PARTS[block].index(name)
         return f"{prefix}.{_ROW_STACKED[block]}.{kind}", (slice(sum(sizes[:i]), sum(sizes[: i + 1])),)
     expert = _EXPERT_KEY.match(key)
@@ -151,12 +155,7 @@ def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[
         stacked = _ROW_STACKED_KEY.match(key)
         if stacked is not None:
             prefix, block, _, kind = stacked.groups()
-            if block == "self_attn":
-                q_size = args.num_attention_heads * args.head_dim
-                kv_size = args.num_key_value_heads * args.head_dim
-                parts = tensor.split([q_size, kv_size, kv_size], dim=0)
-            else:
-                parts = tensor.chunk(2, dim=0)
+            parts = tensor.split(_row_sizes(block, args), dim=0)
             for name, part_tensor in zip(_ROW_PARTS[block], parts):
                 yield f"{prefix}.{name}.{kind}", part_tensor
             continue
