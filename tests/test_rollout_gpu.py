@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from rollout_helpers import tiny_model
 
 from miles.config import RolloutConfig
 from miles.models import CausalLM, ModelArgs
@@ -27,7 +28,8 @@ legitimately differ."""
 
 
 def gpu_model(moe: bool, seed: int = 0) -> CausalLM:
-    kwargs: dict[str, object] = dict(
+    """The rollout tests' tiny model at flashinfer-friendly sizes (head_dim 128), in bf16 on the GPU."""
+    sizes: dict[str, object] = dict(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
@@ -38,10 +40,8 @@ def gpu_model(moe: bool, seed: int = 0) -> CausalLM:
         max_position_embeddings=1024,
     )
     if moe:
-        kwargs.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
-    model = CausalLM(ModelArgs(**kwargs))  # type: ignore[arg-type]
-    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
-    return model.to(device="cuda", dtype=torch.bfloat16).eval()
+        sizes["moe_intermediate_size"] = 128
+    return tiny_model(moe, seed, **sizes).to(device="cuda", dtype=torch.bfloat16)
 
 
 def config(**overrides: object) -> RolloutConfig:
