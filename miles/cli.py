@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("miles.generate_cli:main", "prompts file -> completions through the rollout engine"),
     "eval": ("miles.eval_cli:main", "greedy accuracy of a checkpoint on a held-out set"),
     "reward": ("miles.rewards.cli:main", "score a jsonl of samples with any reward function"),
-    "bench": ("", "benchmarks: miles bench rollout|reward|attention|layers ..."),
+    "bench": ("", "benchmarks: miles bench rollout|reward|attention|layers|moe ..."),
     "init-model": ("miles.models.init_model:main", "write a random-initialised HF checkpoint + tokenizer"),
     "convert": (
         "miles.models.convert:main",
@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "reward": "miles.rewards.bench:main",
     "attention": "miles.rollout.bench_attention:main",
     "layers": "miles.rollout.bench_layers:main",
+    "moe": "miles.rollout.bench_moe:main",
 }
 
 

@@ -70,6 +70,11 @@ def fused_kernels(enabled: bool = True) -> Iterator[None]:
         _enabled = previous
 
 
+def enabled() -> bool:
+    """Whether the caller runs inside `fused_kernels()` (the engine's own forwards on CUDA)."""
+    return _enabled
+
+
 def call(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args), compiled when fused kernels are on."""
     global _failed

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles.models import fused
+from miles.models import fused, fused_moe
 from miles.models.args import ModelArgs
 
 
@@ -67,6 +67,11 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, chosen, weights.to(x.dtype))
 
 
+# Above this many (token, slot) pairs per expert the GEMMs turn compute-bound (prefill), where the grouped
+# GEMM is the better kernel; below it the fused Triton kernels read the weights faster (`miles bench moe`).
+FUSED_MAX_PAIRS_PER_EXPERT = 128
+
+
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -80,6 +85,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice."""
         n, k = chosen.shape
+        if self._fused(x, chosen):
+            try:
+                return fused_moe.experts_forward(x, self.gate_up_proj, self.down_proj, chosen, weights)
+            except Exception as err:  # no compiler for Triton here: the grouped GEMMs give the same results
+                fused_moe.disable(err)
         flat_expert = chosen.reshape(-1)
         # A radix sort makes one pass per key byte: int16 ids sort in 2 passes instead of int64's 8.
         narrow = (
@@ -114,6 +124,18 @@ class Experts(nn.Module):
         result = torch.zeros_like(x)
         result.index_add_(0, token_of, out)
         return result
+
+    def _fused(self, x: torch.Tensor, chosen: torch.Tensor) -> bool:
+        """The engine's decode-sized forwards on CUDA (not the trainer's: the Triton kernels have no backward)."""
+        return (
+            fused.enabled()
+            and fused_moe.available()
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and not self.batch_invariant_block
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and chosen.numel() <= FUSED_MAX_PAIRS_PER_EXPERT * self.num_experts
+        )
 
     def _blocked(self, sorted_x: torch.Tensor, counts: torch.Tensor, block: int) -> torch.Tensor:
         outs = []

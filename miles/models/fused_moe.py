@@ -1,0 +1,331 @@
+"""The experts of a MoE layer at decode batch sizes, as three Triton kernels (the fused-MoE scheme of
+SGLang and vLLM, written for this model's layout).
+
+At decode sizes each expert sees a few dozen token rows and the layer is bound by reading the expert
+weights. `torch._grouped_mm` streams them at ~71 % of copy bandwidth on the H200, and the dispatch around it
+(an argsort, a gather of the token rows, SwiGLU, the routing-weight multiply, a gather back to token order)
+adds about a dozen more kernels per layer. Here:
+
+1. `_align_kernel` (one program per expert) lays the (token, slot) pairs out by expert, each expert's run
+   padded to a multiple of the row block, in pair order (a stable sort), and notes which expert owns each
+   row block;
+2. `_gate_up_kernel` gathers its token rows straight from `x`, multiplies them by the expert's gate and up
+   rows and applies SwiGLU before writing, so the [pairs, 2I] product never goes to memory;
+3. `_down_kernel` multiplies by the down projection, scales by the routing weight and writes each pair's row
+   at its own (token, slot) place, so the caller only sums over the slots.
+
+Rounding follows the eager path (`Experts._grouped`): the GEMM results, SiLU, the SwiGLU product and the
+weighted rows are each rounded to the activation dtype where eager rounds them. The summation order inside a
+GEMM differs from cuBLAS/CUTLASS, so results agree to the dtype's rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the eager experts run instead
+    triton = None  # type: ignore[assignment]
+
+_disabled = False
+
+
+def available() -> bool:
+    return triton is not None and not _disabled
+
+
+def disable(err: Exception) -> None:
+    """Turn the kernels off for this process after an error only they have (e.g. Triton cannot compile)."""
+    global _disabled
+    _disabled = True
+    log.warning("fused MoE kernels unavailable (%s: %s); running the grouped GEMMs", type(err).__name__, err)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on the H200 with `miles bench moe` (docs/benchmarks.md) for the Qwen3-30B-A3B expert shapes;
+# keyed by the largest average number of pairs per expert they are used for.
+GATE_UP_CONFIGS: list[tuple[float, TileConfig]] = [
+    (24.0, TileConfig(16, 64, 128, 4, 4)),
+    (48.0, TileConfig(32, 64, 128, 4, 4)),
+    (float("inf"), TileConfig(64, 64, 128, 4, 3)),
+]
+DOWN_CONFIGS: list[tuple[float, TileConfig]] = [
+    (24.0, TileConfig(16, 64, 128, 4, 4)),
+    (48.0, TileConfig(32, 64, 128, 4, 4)),
+    (float("inf"), TileConfig(64, 64, 128, 4, 3)),
+]
+
+
+def pick(configs: list[tuple[float, TileConfig]], pairs_per_expert: float) -> TileConfig:
+    return next(c for limit, c in configs if pairs_per_expert <= limit)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _align_kernel(
+        expert_ptr,  # [P] expert id of each (token, slot) pair
+        sorted_pairs_ptr,  # out: [capacity] pair index per padded row (P = padding)
+        block_expert_ptr,  # out: [capacity // BM] expert of each row block
+        total_ptr,  # out: [1] rows in use (a multiple of BM)
+        num_pairs,
+        NUM_EXPERTS: tl.constexpr,
+        BINS: tl.constexpr,  # NUM_EXPERTS rounded up to a power of two
+        BM: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        e = tl.program_id(0)
+        bins = tl.arange(0, BINS)
+        # Every program counts all experts (the pairs are few) so no second launch is needed for offsets.
+        counts = tl.zeros([BINS], dtype=tl.int32)
+        for start in range(0, num_pairs, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32)
+            counts += tl.histogram(ids, BINS, mask=offs < num_pairs)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        mine = bins == e
+        my_padded = tl.sum(tl.where(mine, padded, 0))
+        my_count = tl.sum(tl.where(mine, counts, 0))
+        my_start = tl.sum(tl.where(mine, ends, 0)) - my_padded
+        if e == 0:
+            tl.store(total_ptr, tl.sum(padded))
+        seen = 0
+        for start in range(0, num_pairs, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+            hit = ids == e
+            rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
+            tl.store(sorted_pairs_ptr + my_start + rank, offs, mask=hit)
+            seen += tl.sum(hit.to(tl.int32))
+        pad = tl.arange(0, BM)
+        tl.store(sorted_pairs_ptr + my_start + my_count + pad, num_pairs, mask=pad < my_padded - my_count)
+        for b in range(0, my_padded // BM):
+            tl.store(block_expert_ptr + my_start // BM + b, e)
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _gate_up_kernel(
+        x_ptr,  # [T, K] token rows
+        w_ptr,  # [E, 2N, K] gate rows then up rows
+        out_ptr,  # [P, N] SwiGLU output per pair
+        sorted_pairs_ptr,
+        block_expert_ptr,
+        total_ptr,
+        num_pairs,
+        N,
+        K,
+        top_k,
+        stride_x,
+        stride_we,
+        stride_wn,
+        stride_out,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BN)
+        block, tile_n = pid // tiles_n, pid % tiles_n
+        if block * BM >= tl.load(total_ptr):
+            return
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
+        real = pair < num_pairs
+        token = (pair // top_k).to(tl.int64)
+        cols = tile_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        ks = tl.arange(0, BK)
+        a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
+        g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BK
+            g_ptrs += BK
+            u_ptrs += BK
+        dtype = out_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        up = acc_u.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        hidden = (silu * up).to(dtype)
+        o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
+        tl.store(o_ptrs, hidden, mask=real[:, None] & col_ok[None, :])
+
+    @triton.jit(do_not_specialize=["num_pairs"])
+    def _down_kernel(
+        h_ptr,  # [P, K] SwiGLU output per pair
+        w_ptr,  # [E, N, K]
+        weight_ptr,  # [P] routing weight per pair
+        out_ptr,  # [P, N] weighted expert output per pair
+        sorted_pairs_ptr,
+        block_expert_ptr,
+        total_ptr,
+        num_pairs,
+        N,
+        K,
+        stride_h,
+        stride_we,
+        stride_wn,
+        stride_out,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BN)
+        block, tile_n = pid // tiles_n, pid % tiles_n
+        if block * BM >= tl.load(total_ptr):
+            return
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
+        real = pair < num_pairs
+        rows = pair.to(tl.int64)
+        cols = tile_n * BN + tl.arange(0, BN)
+        col_ok = cols < N
+        ks = tl.arange(0, BK)
+        a_ptrs = h_ptr + rows[:, None] * stride_h + ks[None, :]
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BK
+            w_ptrs += BK
+        dtype = out_ptr.dtype.element_ty
+        routing = tl.load(weight_ptr + pair, mask=real, other=0.0).to(tl.float32)
+        weighted = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+        o_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        tl.store(o_ptrs, weighted, mask=real[:, None] & col_ok[None, :])
+
+
+@dataclass
+class Layout:
+    """Pairs grouped by expert, each expert's run padded to the row block (device tensors, fixed shapes)."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    total: torch.Tensor
+    block_m: int
+
+
+def align(chosen: torch.Tensor, num_experts: int, block_m: int) -> Layout:
+    num_pairs = chosen.numel()
+    # At most min(E, P) experts are in use, each padding by fewer than block_m rows: a fixed bound, so the
+    # launch sizes do not depend on the routing (no host sync, CUDA-graph safe).
+    capacity = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    device = chosen.device
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    _align_kernel[(num_experts,)](
+        chosen.reshape(-1),
+        sorted_pairs,
+        block_expert,
+        total,
+        num_pairs,
+        NUM_EXPERTS=num_experts,
+        BINS=triton.next_power_of_2(num_experts),
+        BM=block_m,
+        CHUNK=256,
+    )
+    return Layout(sorted_pairs, block_expert, total, block_m)
+
+
+def experts_forward(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    up_cfg: TileConfig | None = None,
+    down_cfg: TileConfig | None = None,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for each token t.
+
+    x: [T, H]; gate_up_proj: [E, 2I, H]; down_proj: [E, H, I]; chosen: [T, k] ids; weights: [T, k] in x's dtype.
+    """
+    num_tokens, top_k = chosen.shape
+    num_experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    num_pairs = num_tokens * top_k
+    x = x.contiguous()
+    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    per_expert = num_pairs / num_experts
+    up_cfg = up_cfg or pick(GATE_UP_CONFIGS, per_expert)
+    down_cfg = down_cfg or pick(DOWN_CONFIGS, per_expert)
+    up_layout = align(chosen, num_experts, up_cfg.block_m)
+    down_layout = (
+        up_layout if down_cfg.block_m == up_cfg.block_m else align(chosen, num_experts, down_cfg.block_m)
+    )
+
+    swiglu = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    blocks = up_layout.sorted_pairs.numel() // up_cfg.block_m
+    _gate_up_kernel[(blocks * triton.cdiv(inter, up_cfg.block_n),)](
+        x,
+        gate_up_proj,
+        swiglu,
+        up_layout.sorted_pairs,
+        up_layout.block_expert,
+        up_layout.total,
+        num_pairs,
+        inter,
+        hidden,
+        top_k,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        swiglu.stride(0),
+        BM=up_cfg.block_m,
+        BN=up_cfg.block_n,
+        BK=up_cfg.block_k,
+        num_warps=up_cfg.num_warps,
+        num_stages=up_cfg.num_stages,
+    )
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    blocks = down_layout.sorted_pairs.numel() // down_cfg.block_m
+    _down_kernel[(blocks * triton.cdiv(hidden, down_cfg.block_n),)](
+        swiglu,
+        down_proj,
+        weights.reshape(-1).contiguous(),
+        out,
+        down_layout.sorted_pairs,
+        down_layout.block_expert,
+        down_layout.total,
+        num_pairs,
+        hidden,
+        inter,
+        swiglu.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        out.stride(0),
+        BM=down_cfg.block_m,
+        BN=down_cfg.block_n,
+        BK=down_cfg.block_k,
+        num_warps=down_cfg.num_warps,
+        num_stages=down_cfg.num_stages,
+    )
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,189 @@
+"""`miles bench moe`: a MoE layer's experts at decode batch sizes, grouped GEMM vs the fused Triton kernels.
+
+For each token count it builds `--layers` layers of a MoE preset's experts (random bf16 weights, uniform
+random top-k routing per layer), captures the experts of all layers as one CUDA graph and times:
+
+* `grouped`: the eager path (`Experts._grouped`: argsort, row gather, two `torch._grouped_mm`, SwiGLU, the
+  routing-weight multiply, gather back to token order and the sum over slots);
+* `grouped_mm`: the two grouped GEMMs alone, on pre-sorted rows (what the GEMMs cost without the dispatch);
+* `fused`: `miles.models.fused_moe` (align, gate-up with SwiGLU, down with the routing weight, the sum).
+
+Each is reported in ms per layer and as bandwidth over the experts the routing touched (their weight bytes
+per layer over the time), against the device-to-device copy bandwidth. `--sweep` also times every tile
+configuration of a small grid for each fused kernel and prints the best per token count (how the defaults
+in fused_moe.py were chosen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from miles.models import fused_moe
+from miles.models.moe import Experts
+from miles.models.presets import preset_args
+from miles.rollout.bench import measure_copy_bandwidth
+from miles.rollout.bench_layers import graph_ms
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="miles bench moe", description=__doc__)
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a MoE preset (tiny, qwen3-30b-a3b)")
+    p.add_argument("--tokens", default="64,256,523,748", help="comma-separated decode batch sizes")
+    p.add_argument("--layers", type=int, default=8, help="layers per graph (distinct weights: no L2 reuse)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
+    return p.parse_args(argv)
+
+
+class MoeLayers:
+    def __init__(self, model: str, layers: int) -> None:
+        args = preset_args(None, model)
+        if not args.num_experts:
+            raise SystemExit(f"miles bench moe: {model!r} is not a MoE preset")
+        self.args = args
+        e, h, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.experts = []
+        for _ in range(layers):
+            ex = Experts(e, h, i).to(device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                ex.gate_up_proj.normal_(std=h**-0.5)
+                ex.down_proj.normal_(std=i**-0.5)
+            self.experts.append(ex)
+        self.expert_bytes = 3 * h * i * 2
+
+    def routing(self, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        k, h = self.args.num_experts_per_tok, self.args.hidden_size
+        out = []
+        for _ in self.experts:
+            x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+            probs = torch.rand(tokens, self.args.num_experts, device="cuda").softmax(-1)
+            weights, chosen = torch.topk(probs, k, dim=-1)
+            out.append((x, chosen, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)))
+        return out
+
+
+def run_all(layers: MoeLayers, routed: list, fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for ex, (x, chosen, weights) in zip(layers.experts, routed, strict=True):
+            fn(ex, x, chosen, weights)
+
+    return run
+
+
+def eager(ex: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return ex(x, chosen, weights)
+
+
+def fused(
+    ex: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, **cfg: Any
+) -> torch.Tensor:
+    return fused_moe.experts_forward(x, ex.gate_up_proj, ex.down_proj, chosen, weights, **cfg)
+
+
+def grouped_mm_only(layers: MoeLayers, routed: list) -> Callable[[], None]:
+    """The two grouped GEMMs on rows already sorted by expert (inputs prepared outside the graph)."""
+    prepared = []
+    for ex, (x, chosen, _) in zip(layers.experts, routed, strict=True):
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        rows = x[order // chosen.shape[1]]
+        counts = torch.bincount(chosen.reshape(-1), minlength=ex.num_experts)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        hidden = torch.empty(rows.shape[0], ex.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        prepared.append((ex, rows, offsets, hidden))
+
+    def run() -> None:
+        for ex, rows, offsets, hidden in prepared:
+            torch._grouped_mm(rows, ex.gate_up_proj.transpose(-2, -1), offs=offsets)
+            torch._grouped_mm(hidden, ex.down_proj.transpose(-2, -1), offs=offsets)
+
+    return run
+
+
+def sweep_grid() -> list[fused_moe.TileConfig]:
+    return [
+        fused_moe.TileConfig(bm, bn, bk, warps, stages)
+        for bm, bn, bk, warps, stages in itertools.product(
+            (16, 32, 64), (64, 128), (64, 128), (4,), (3, 4, 5)
+        )
+    ]
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    if not torch.cuda.is_available() or not fused_moe.available():
+        print("miles bench moe times GPU kernels: it needs a CUDA device and Triton", file=sys.stderr)
+        return 2
+    bandwidth = measure_copy_bandwidth(torch.device("cuda"))
+    layers = MoeLayers(a.model, a.layers)
+    n_layers = len(layers.experts)
+    rows: list[dict[str, Any]] = []
+    for tokens in [int(t) for t in a.tokens.split(",") if t]:
+        routed = layers.routing(tokens)
+        touched = sum(int(torch.unique(c).numel()) for _, c, _ in routed) / n_layers
+        bytes_per_layer = touched * layers.expert_bytes
+        with torch.no_grad():
+            ref = eager(layers.experts[0], *routed[0])
+            got = fused(layers.experts[0], *routed[0])
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = {
+                "grouped": graph_ms(run_all(layers, routed, eager), a.iters) / n_layers,
+                "grouped_mm": graph_ms(grouped_mm_only(layers, routed), a.iters) / n_layers,
+                "fused": graph_ms(run_all(layers, routed, fused), a.iters) / n_layers,
+            }
+            row: dict[str, Any] = {
+                "tokens": tokens,
+                "experts_touched": touched,
+                "ms_per_layer": ms,
+                "pct_of_copy_bandwidth": {
+                    k: 100 * bytes_per_layer / (v / 1e3) / bandwidth for k, v in ms.items()
+                },
+                "fused_vs_grouped_rel_err": err,
+            }
+            if a.sweep:
+                row["sweep"] = sweep(layers, routed, a.iters)
+        rows.append(row)
+    print(
+        json.dumps({"model": a.model, "copy_bandwidth_bytes_per_s": bandwidth, "results": rows}), flush=True
+    )
+    print(f"{a.model} experts, {n_layers} layers per graph, copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"  {'tokens':>6} {'touched':>7} | {'grouped':>15} | {'grouped_mm':>15} | {'fused':>15} | rel err")
+    for r in rows:
+        cells = " | ".join(
+            f"{r['ms_per_layer'][k]:7.3f} ms {r['pct_of_copy_bandwidth'][k]:3.0f}%"
+            for k in ("grouped", "grouped_mm", "fused")
+        )
+        print(
+            f"  {r['tokens']:>6} {r['experts_touched']:>7.1f} | {cells} | {r['fused_vs_grouped_rel_err']:.1e}"
+        )
+        for name, best in r.get("sweep", {}).items():
+            print(f"      best {name}: {best}")
+    return 0
+
+
+def sweep(layers: MoeLayers, routed: list, iters: int) -> dict[str, Any]:
+    """Best config for each kernel, the other kernel held at its default."""
+    best: dict[str, Any] = {}
+    for which in ("up_cfg", "down_cfg"):
+        timed = []
+        for cfg in sweep_grid():
+            try:
+                ms = graph_ms(run_all(layers, routed, functools.partial(fused, **{which: cfg})), iters)
+            except Exception as err:  # a tile too large for shared memory: skip it
+                print(f"  {which} {cfg}: {type(err).__name__}", file=sys.stderr)
+                continue
+            timed.append((ms / len(layers.experts), cfg))
+        timed.sort(key=lambda t: t[0])
+        best[which] = [{"ms_per_layer": ms, "config": vars(cfg)} for ms, cfg in timed[:3]]
+    return best
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
