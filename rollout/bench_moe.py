@@ -45,7 +45,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 class MoeLayers:
     def __init__(self, model: str, layers: int) -> None:
-        args = preset_args(None, model)
+        args = preset_args("qwen3_moe" if model == "tiny" else None, model)
         if not args.num_experts:
             raise SystemExit(f"miles bench moe: {model!r} is not a MoE preset")
         self.args = args

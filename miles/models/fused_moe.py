@@ -57,17 +57,20 @@ class TileConfig:
     num_stages: int
 
 
-# Chosen on the H200 with `miles bench moe` (docs/benchmarks.md) for the Qwen3-30B-A3B expert shapes;
-# keyed by the largest average number of pairs per expert they are used for.
+# Chosen on the H200 with `miles bench moe --sweep` (docs/benchmarks.md) for the Qwen3-30B-A3B expert shapes
+# (hidden 2048, expert width 768, 128 experts); keyed by the largest average number of (token, slot) pairs
+# per expert each is used for. Larger row blocks pay off once an expert has that many rows; the down
+# projection (K = 768) prefers wider column tiles.
 GATE_UP_CONFIGS: list[tuple[float, TileConfig]] = [
-    (24.0, TileConfig(16, 64, 128, 4, 4)),
-    (48.0, TileConfig(32, 64, 128, 4, 4)),
-    (float("inf"), TileConfig(64, 64, 128, 4, 3)),
+    (8.0, TileConfig(16, 64, 128, 4, 4)),
+    (24.0, TileConfig(32, 64, 128, 4, 3)),
+    (float("inf"), TileConfig(64, 64, 64, 4, 3)),
 ]
 DOWN_CONFIGS: list[tuple[float, TileConfig]] = [
-    (24.0, TileConfig(16, 64, 128, 4, 4)),
-    (48.0, TileConfig(32, 64, 128, 4, 4)),
-    (float("inf"), TileConfig(64, 64, 128, 4, 3)),
+    (8.0, TileConfig(16, 64, 128, 4, 4)),
+    (24.0, TileConfig(16, 128, 64, 4, 4)),
+    (40.0, TileConfig(32, 128, 64, 4, 4)),
+    (float("inf"), TileConfig(64, 128, 64, 4, 4)),
 ]
 
 
