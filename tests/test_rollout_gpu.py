@@ -316,6 +316,27 @@ def test_fused_moe_matches_the_grouped_experts(
     assert float((fused_out - grouped).norm() / grouped.norm()) < 1e-2
 
 
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize"), [(1, 8, 2, True), (523, 128, 8, True), (37, 60, 4, False)]
+)
+def test_fused_router_matches_softmax_topk(tokens: int, experts: int, top_k: int, renormalize: bool) -> None:
+    """One kernel for softmax, top-k and renormalisation picks what torch.topk picks (highest first) with
+    weights equal to bf16 rounding."""
+    import torch.nn.functional as F
+
+    from miles.models import fused_moe
+
+    torch.manual_seed(tokens)
+    logits = (torch.randn(tokens, experts, device="cuda") * 3).bfloat16()
+    weights, chosen = fused_moe.route(logits, top_k, renormalize, torch.bfloat16)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    ref_w, ref_c = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert torch.equal(chosen, ref_c)
+    torch.testing.assert_close(weights, ref_w.bfloat16(), atol=0, rtol=8e-3)
+
+
 def test_fused_moe_layout_groups_pairs_by_expert() -> None:
     """Each row block holds one expert's pairs in pair order, padding rows are marked, and every pair
     appears exactly once."""
@@ -360,11 +381,17 @@ def test_engine_moe_decode_runs_the_fused_experts(monkeypatch: pytest.MonkeyPatc
     )
     assert not calls
     monkeypatch.setattr(fused_moe, "experts_forward", counted)
-    fused_out = Engine(
-        model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on")
-    ).generate(PROMPTS, GREEDY)
+    engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on"))
+    fused_out = engine.generate(PROMPTS, GREEDY)
     assert calls and fused_moe.available()
     assert_agree_until_near_tie(model, grouped_out, fused_out, logprob_tol=0.05, near_tie=0.5)
+    # The fused router still records each token's experts for routing replay.
+    routed = engine.generate(PROMPTS[:2], GREEDY.with_(return_routing=True, max_new_tokens=8))
+    for sample in routed:
+        assert sample.routed_experts is not None and len(sample.routed_experts) == len(sample.prompt_ids) + 7
+        assert all(
+            len(layer) == model.args.num_experts_per_tok for token in sample.routed_experts for layer in token
+        )
 
 
 def test_bench_moe_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:

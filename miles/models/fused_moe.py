@@ -121,6 +121,48 @@ if triton is not None:
         for b in range(0, my_padded // BM):
             tl.store(block_expert_ptr + my_start // BM + b, e)
 
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _route_kernel(
+        logits_ptr,  # [T, E] router logits
+        weights_ptr,  # out: [T, K] gating weights (activation dtype)
+        chosen_ptr,  # out: [T, K] expert ids (int64), highest probability first
+        num_tokens,
+        num_experts,
+        stride_logits,
+        TOP_K: tl.constexpr,
+        K_BINS: tl.constexpr,  # TOP_K rounded up to a power of two
+        BINS: tl.constexpr,  # num_experts rounded up to a power of two
+        ROWS: tl.constexpr,
+        RENORMALIZE: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BINS)
+        row_ok = rows < num_tokens
+        mask = row_ok[:, None] & (cols < num_experts)[None, :]
+        ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_logits + cols[None, :]
+        logits = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+        logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past the end: finite, never stored
+        exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        probs = exps / tl.sum(exps, axis=1)[:, None]
+        slots = tl.arange(0, K_BINS)
+        picked = tl.zeros([ROWS, K_BINS], dtype=tl.float32)
+        ids = tl.zeros([ROWS, K_BINS], dtype=tl.int64)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(probs, axis=1)
+            # the lowest expert id among equal probabilities, as a stable sort would pick
+            best_id = tl.min(tl.where(probs == best[:, None], cols[None, :], BINS), axis=1)
+            picked = tl.where(slots[None, :] == j, best[:, None], picked)
+            ids = tl.where(slots[None, :] == j, best_id[:, None].to(tl.int64), ids)
+            total += best
+            probs = tl.where(cols[None, :] == best_id[:, None], -1.0, probs)
+        if RENORMALIZE:
+            picked = picked / total[:, None]
+        out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
+        offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+        tl.store(weights_ptr + offs, picked.to(weights_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(chosen_ptr + offs, ids, mask=out_mask)
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _gate_up_kernel(
         x_ptr,  # [T, K] token rows
@@ -225,6 +267,32 @@ if triton is not None:
         tl.store(o_ptrs, weighted, mask=real[:, None] & col_ok[None, :])
 
 
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in `dtype`, chosen [T, k] int64): float32 softmax over the experts, the top k (highest
+    first), optionally renormalised over them; one kernel instead of softmax, topk, sum, divide and cast."""
+    num_tokens, num_experts = router_logits.shape
+    router_logits = router_logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=dtype, device=router_logits.device)
+    chosen = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    rows = 4
+    _route_kernel[(triton.cdiv(num_tokens, rows),)](
+        router_logits,
+        weights,
+        chosen,
+        num_tokens,
+        num_experts,
+        router_logits.stride(0),
+        TOP_K=top_k,
+        K_BINS=triton.next_power_of_2(top_k),
+        BINS=triton.next_power_of_2(num_experts),
+        ROWS=rows,
+        RENORMALIZE=renormalize,
+    )
+    return weights, chosen
+
+
 @dataclass
 class Layout:
     """Pairs grouped by expert, each expert's run padded to the row block (device tensors, fixed shapes)."""
@@ -253,7 +321,8 @@ def align(chosen: torch.Tensor, num_experts: int, block_m: int) -> Layout:
         NUM_EXPERTS=num_experts,
         BINS=triton.next_power_of_2(num_experts),
         BM=block_m,
-        CHUNK=256,
+        CHUNK=min(2048, max(16, triton.next_power_of_2(num_pairs))),
+        num_warps=8,
     )
     return Layout(sorted_pairs, block_expert, total, block_m)
 

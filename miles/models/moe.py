@@ -56,6 +56,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: RoutingTrace | None = None) -> torch.Tensor:
         router_logits = self.gate(x)
+        if (routing is None or routing.replay is None) and self.experts.fused(x, x.shape[0] * self.top_k):
+            try:
+                weights, chosen = fused_moe.route(router_logits, self.top_k, self.norm_topk_prob, x.dtype)
+            except Exception as err:  # no compiler for Triton here: the eager router gives the same choice
+                fused_moe.disable(err)
+            else:
+                if routing is not None and routing.record:
+                    routing.recorded.append(chosen)
+                return self.experts(x, chosen, weights)
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         if routing is None:
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -85,7 +94,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice."""
         n, k = chosen.shape
-        if self._fused(x, chosen):
+        if self.fused(x, chosen.numel()):
             try:
                 return fused_moe.experts_forward(x, self.gate_up_proj, self.down_proj, chosen, weights)
             except Exception as err:  # no compiler for Triton here: the grouped GEMMs give the same results
@@ -125,7 +134,7 @@ class Experts(nn.Module):
         result.index_add_(0, token_of, out)
         return result
 
-    def _fused(self, x: torch.Tensor, chosen: torch.Tensor) -> bool:
+    def fused(self, x: torch.Tensor, num_pairs: int) -> bool:
         """The engine's decode-sized forwards on CUDA (not the trainer's: the Triton kernels have no backward)."""
         return (
             fused.enabled()
@@ -134,7 +143,7 @@ class Experts(nn.Module):
             and x.dtype in (torch.bfloat16, torch.float16)
             and not self.batch_invariant_block
             and not (torch.is_grad_enabled() and x.requires_grad)
-            and chosen.numel() <= FUSED_MAX_PAIRS_PER_EXPERT * self.num_experts
+            and num_pairs <= FUSED_MAX_PAIRS_PER_EXPERT * self.num_experts
         )
 
     def _blocked(self, sorted_x: torch.Tensor, counts: torch.Tensor, block: int) -> torch.Tensor:
