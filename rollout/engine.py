@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.config import RolloutConfig
+from miles.models import fused
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges
@@ -37,7 +38,8 @@ from miles.sample import Sample, SampleStatus
 _DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
 """Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
 _SAMPLE_BLOCK_GPU = 256
-"""Rows sampled at once on GPU (bounds the [rows, vocab] float64 temporaries)."""
+"""Rows sampled at once on GPU (bounds the [rows, vocab] float64 temporaries; the fused unfiltered draw has
+none and samples every row at once)."""
 _STALL_STEPS = 10_000
 
 
@@ -660,6 +662,10 @@ class Engine:
             self.args.vocab_size,
             self.device,
         )
+        with fused.fused_kernels(self.runner.fused_kernels):
+            return self._sample_rows(logits, st)
+
+    def _sample_rows(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         num = logits.shape[0]
         if self.cfg.deterministic:  # fixed row blocks, padded, as for the forward
             block = self.det_chunk
@@ -677,7 +683,9 @@ class Engine:
                 sample(padded[i : i + block], st_pad.rows(slice(i, i + block)))
                 for i in range(0, padded.shape[0], block)
             ]
-        elif self.device.type == "cuda" and num > _SAMPLE_BLOCK_GPU:
+        elif (
+            self.device.type == "cuda" and num > _SAMPLE_BLOCK_GPU and (st.any_filter or not fused.enabled())
+        ):
             out = [
                 sample(logits[i : i + _SAMPLE_BLOCK_GPU], st.rows(slice(i, i + _SAMPLE_BLOCK_GPU)))
                 for i in range(0, num, _SAMPLE_BLOCK_GPU)

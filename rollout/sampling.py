@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from miles.models import fused
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -178,31 +181,74 @@ def _draw(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.minimum(drawn, last).clamp_(max=cdf.shape[-1] - 1)
 
 
+def block_masses(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max of logits / temperature [B, 1] float32, float64 total of the weights exp(scaled - max) over each
+    block of _CDF_BLOCK tokens [B, blocks]). Compiled (fused kernels on), this reads the logits twice and
+    writes only the block totals, where `_inverse_cdf` writes a float64 copy of every weight."""
+    scaled = logits.float() / temperature[:, None]
+    top = scaled.amax(dim=-1, keepdim=True)
+    weights = (scaled - top).exp()
+    padded = F.pad(weights, (0, (-weights.shape[-1]) % _CDF_BLOCK))
+    return top, padded.double().view(weights.shape[0], -1, _CDF_BLOCK).sum(dim=-1)
+
+
+def _sample_from_block_masses(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfiltered draw of `sample` (inverse CDF over exp(scaled - max), two levels) without the
+    [B, V] float64 weights: the block is drawn from the block totals, then the weights of that one block
+    are recomputed from the logits."""
+    rows, vocab = logits.shape
+    top, mass = fused.call(block_masses, logits, temperature)
+    cdf = torch.cumsum(mass, dim=-1)
+    total = cdf[:, -1]
+    target = uniform[:, None] * total[:, None]
+    block = _draw(cdf, target)
+    inside = target - (cdf.gather(-1, block) - mass.gather(-1, block))
+    index = block * _CDF_BLOCK + torch.arange(_CDF_BLOCK, device=logits.device)
+    in_vocab = index < vocab
+    picked = logits.gather(-1, index.clamp(max=vocab - 1)).float() / temperature[:, None]
+    weights = torch.where(in_vocab, (picked - top).exp(), 0.0).double()
+    offset = _draw(torch.cumsum(weights, dim=-1), inside)
+    tokens = (block * _CDF_BLOCK + offset).clamp_(max=vocab - 1)
+    chosen = logits.gather(-1, tokens).float() / temperature[:, None]
+    return tokens.squeeze(-1), ((chosen - top).squeeze(-1) - total.log()).float()
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype) -> (token ids [B] int64, logprobs [B] float32), no host sync."""
-    logits = logits.float()
     if params.all_greedy:
+        logits = logits.float()
         tokens = torch.argmax(logits, dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    greedy = params.temperature == 0.0
     temperature = params.temperature
     if params.any_greedy:
-        temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
-    if params.any_filter:
-        logq, ids = filtered_logprobs(logits, temperature, params.top_k, params.top_p, params.min_p)
+        temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
+    if not params.any_filter and fused.enabled() and logits.is_cuda:
+        tokens, logprobs = _sample_from_block_masses(logits, temperature, params.uniform)
+    elif params.any_filter:
+        logq, ids = filtered_logprobs(logits.float(), temperature, params.top_k, params.top_p, params.min_p)
         idx, _ = _inverse_cdf(torch.exp(logq), params.uniform)
         tokens = ids.gather(-1, idx[:, None]).squeeze(-1)
         logprobs = logq.gather(-1, idx[:, None]).squeeze(-1)
     else:
-        scaled = logits if params.unit_temperature else logits / temperature[:, None]
+        logits32 = logits.float()
+        scaled = logits32 if params.unit_temperature else logits32 / temperature[:, None]
         # No softmax over the vocabulary: the draw scales with the total of the weights exp(scaled - max), and
         # log q(token) = (scaled - max)[token] - log(total).
         top = scaled.amax(dim=-1, keepdim=True)
         tokens, total = _inverse_cdf((scaled - top).exp_(), params.uniform)
         logprobs = ((scaled.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log()).float()
     if params.any_greedy:
-        argmax = torch.argmax(logits, dim=-1)
-        greedy_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None]).squeeze(-1)
-        tokens = torch.where(greedy, argmax, tokens)
-        logprobs = torch.where(greedy, greedy_logprobs, logprobs)
+        tokens, logprobs = _with_greedy_rows(logits.float(), params, tokens, logprobs)
     return tokens, logprobs
+
+
+def _with_greedy_rows(
+    logits: torch.Tensor, params: SamplingTensors, tokens: torch.Tensor, logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of temperature 0 take the argmax and its temperature-1 logprob."""
+    greedy = params.temperature == 0.0
+    argmax = torch.argmax(logits, dim=-1)
+    greedy_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None]).squeeze(-1)
+    return torch.where(greedy, argmax, tokens), torch.where(greedy, greedy_logprobs, logprobs)

@@ -190,3 +190,28 @@ def test_a_nan_row_gets_a_token_in_range_and_leaves_the_others_alone(top_k: int)
     ]
     assert tokens[[0, 2]].tolist() == [int(t) for t, _ in alone]
     assert logprobs[[0, 2]].tolist() == [float(lp) for _, lp in alone]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draw_from_block_masses_matches_the_full_weights(temperature: float) -> None:
+    """The GPU engine's unfiltered draw (block totals, then one block's weights recomputed) picks the token
+    the full float64 inverse CDF picks, with the same logprob; a vocabulary that is not a multiple of the
+    block exercises the padding."""
+    from miles.rollout.sampling import _sample_from_block_masses
+
+    torch.manual_seed(0)
+    rows, vocab = 64, 5000
+    logits = torch.randn(rows, vocab) * 3
+    params = SamplingTensors.build(
+        [temperature] * rows,
+        [0] * rows,
+        [1.0] * rows,
+        [0.0] * rows,
+        uniforms(list(range(rows)), [3] * rows),
+        vocab,
+        torch.device("cpu"),
+    )
+    expected_tokens, expected_logprobs = sample(logits, params)
+    tokens, logprobs = _sample_from_block_masses(logits, params.temperature, params.uniform)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-5)

@@ -54,6 +54,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def add_slot_sum(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x + slots.sum(1): a residual plus a MoE layer's [N, top_k, H] per-slot expert outputs."""
+    return x + slots.sum(dim=1)
+
+
 _enabled = False
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 _failed = False

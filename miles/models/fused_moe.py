@@ -335,10 +335,13 @@ def experts_forward(
     weights: torch.Tensor,
     up_cfg: TileConfig | None = None,
     down_cfg: TileConfig | None = None,
+    sum_slots: bool = True,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for each token t.
 
     x: [T, H]; gate_up_proj: [E, 2I, H]; down_proj: [E, H, I]; chosen: [T, k] ids; weights: [T, k] in x's dtype.
+    With `sum_slots=False` it returns the [T, k, H] weighted outputs per slot, for the caller to fold the sum
+    into another kernel.
     """
     num_tokens, top_k = chosen.shape
     num_experts, two_i, hidden = gate_up_proj.shape
@@ -400,4 +403,5 @@ def experts_forward(
         num_warps=down_cfg.num_warps,
         num_stages=down_cfg.num_stages,
     )
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+    slots = out.view(num_tokens, top_k, hidden)
+    return slots.sum(dim=1) if sum_slots else slots

@@ -42,7 +42,9 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         delta = self.self_attn(self.input_layernorm(x), rope, attn)
         x, h = fused.call(fused.add_rms_norm, x, delta, norm.weight, norm.eps)
-        return x + (self.mlp(h, routing) if self.is_moe else self.mlp(h))
+        if self.is_moe:
+            return self.mlp(h, routing, residual=x)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):

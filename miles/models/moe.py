@@ -54,8 +54,22 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor, routing: RoutingTrace | None = None) -> torch.Tensor:
-        router_logits = self.gate(x)
+    def forward(
+        self, x: torch.Tensor, routing: RoutingTrace | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The layer's output for x, plus `residual` when given (added in the same kernel as the sum over
+        the top-k slots on the fused path)."""
+        weights, chosen = self.route(self.gate(x), routing, x)
+        slots = self.experts.forward_slots(x, chosen, weights)
+        if slots is not None:
+            return slots.sum(dim=1) if residual is None else fused.call(fused.add_slot_sum, residual, slots)
+        out = self.experts(x, chosen, weights)
+        return out if residual is None else residual + out
+
+    def route(
+        self, router_logits: torch.Tensor, routing: RoutingTrace | None, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gating weights [N, k] in x's dtype, expert ids [N, k])."""
         if (routing is None or routing.replay is None) and self.experts.fused(x, x.shape[0] * self.top_k):
             try:
                 weights, chosen = fused_moe.route(router_logits, self.top_k, self.norm_topk_prob, x.dtype)
@@ -64,7 +78,7 @@ class SparseMoeBlock(nn.Module):
             else:
                 if routing is not None and routing.record:
                     routing.recorded.append(chosen)
-                return self.experts(x, chosen, weights)
+                return weights, chosen
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         if routing is None:
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -73,7 +87,7 @@ class SparseMoeBlock(nn.Module):
             weights = probs.gather(-1, chosen)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, chosen, weights.to(x.dtype))
+        return weights.to(x.dtype), chosen
 
 
 # Above this many (token, slot) pairs per expert the GEMMs turn compute-bound (prefill), where the grouped
@@ -94,11 +108,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice."""
         n, k = chosen.shape
-        if self.fused(x, chosen.numel()):
-            try:
-                return fused_moe.experts_forward(x, self.gate_up_proj, self.down_proj, chosen, weights)
-            except Exception as err:  # no compiler for Triton here: the grouped GEMMs give the same results
-                fused_moe.disable(err)
+        slots = self.forward_slots(x, chosen, weights)
+        if slots is not None:
+            return slots.sum(dim=1)
         flat_expert = chosen.reshape(-1)
         # A radix sort makes one pass per key byte: int16 ids sort in 2 passes instead of int64's 8.
         narrow = (
@@ -133,6 +145,20 @@ class Experts(nn.Module):
         result = torch.zeros_like(x)
         result.index_add_(0, token_of, out)
         return result
+
+    def forward_slots(
+        self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """[N, k, H] weighted outputs per slot from the fused kernels, or None where they do not apply."""
+        if not self.fused(x, chosen.numel()):
+            return None
+        try:
+            return fused_moe.experts_forward(
+                x, self.gate_up_proj, self.down_proj, chosen, weights, sum_slots=False
+            )
+        except Exception as err:  # no compiler for Triton here: the grouped GEMMs give the same results
+            fused_moe.disable(err)
+            return None
 
     def fused(self, x: torch.Tensor, num_pairs: int) -> bool:
         """The engine's decode-sized forwards on CUDA (not the trainer's: the Triton kernels have no backward)."""
