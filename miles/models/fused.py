@@ -55,8 +55,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def add_slot_sum(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x + slots.sum(1): a residual plus a MoE layer's [N, top_k, H] per-slot expert outputs."""
-    return x + slots.sum(dim=1)
+    """x + the sum over dim 1 of a MoE layer's [N, top_k, H] per-slot expert outputs, summed in float32
+    and rounded once, as `sum` does. Written as a chain of adds: compiled, that is one pointwise kernel
+    (a reduction over the strided slot dim compiled ~7x slower than eager's reduce kernel)."""
+    total = slots[:, 0].float()
+    for j in range(1, slots.shape[1]):
+        total = total + slots[:, j].float()
+    return x + total.to(x.dtype)
 
 
 _enabled = False
