@@ -391,6 +391,7 @@ def main(argv: list[str]) -> int:
         "prefill_s": stats.prefill_s,
         "decode_s": stats.decode_s,
         "decode_steps": stats.decode_steps,
+        "device_wait_s": stats.device_wait_s,
         "decode_tokens_per_s": stats.decode_tokens / stats.decode_s if stats.decode_s else 0.0,
         "preemptions": stats.preemptions,
         "dropped_rows": stats.dropped_rows,
@@ -492,6 +493,7 @@ def print_table(r: dict[str, Any]) -> None:
         ("total tok/s", f"{r['total_tokens_per_s']:,.0f}"),
         ("prefill tokens computed / cached", f"{r['prefill_tokens']:,} / {r['cached_prompt_tokens']:,}"),
         ("prefill s / decode s", f"{r['prefill_s']:.2f} / {r['decode_s']:.2f}"),
+        ("host waited for the device (s)", f"{r['device_wait_s']:.2f}"),
         ("decode tok/s", f"{r['decode_tokens_per_s']:,.0f}"),
     ]
     if "roofline_output_tokens_per_s" in r:

@@ -72,6 +72,9 @@ class EngineStats:
     """Speculative decoding: request-steps that verified a draft, draft tokens, and those accepted."""
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    device_wait_s: float = 0.0
+    """Overlap scheduling: host time spent waiting for a step's tokens. Near 0, the device waited for the
+    host instead (host-bound); near the step time, the host kept ahead of the device."""
 
 
 @dataclass
@@ -536,7 +539,9 @@ class Engine:
         if step is None or step.host is None:
             return []
         if step.done is not None:
+            waited = time.perf_counter()
             step.done.synchronize()  # the step's tokens only, not whatever was queued after it
+            self.stats.device_wait_s += time.perf_counter() - waited
         tokens, logprobs = step.host.tolist()
         finished: list[Sample] = []
         cuts: list[tuple[Request, int]] = []
