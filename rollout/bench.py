@@ -193,7 +193,8 @@ class StepProfiler:
 
 
 def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
-    """Per-step device (or CPU) milliseconds of the most expensive kernels."""
+    """Per-step milliseconds of the most expensive device kernels (on CPU runs: of the CPU ops). Only kernels
+    are counted on a device, so the eager ops outside CUDA graphs (the sampler) are not counted twice."""
     from torch.autograd import DeviceType
 
     events = prof.key_averages()

@@ -30,7 +30,7 @@ from miles.rollout.outputs import finish_status, to_sample
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
-from miles.rollout.sampling import SamplingTensors, derive_seed, sample, uniforms
+from miles.rollout.sampling import SamplingTensors, derive_seed, draws_from_block_masses, sample, uniforms
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
 from miles.rollout.weights import WeightsInput, load_weights
 from miles.sample import Sample, SampleStatus
@@ -38,8 +38,8 @@ from miles.sample import Sample, SampleStatus
 _DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
 """Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
 _SAMPLE_BLOCK_GPU = 256
-"""Rows sampled at once on GPU (bounds the [rows, vocab] float64 temporaries; the fused unfiltered draw has
-none and samples every row at once)."""
+"""Rows sampled at once on GPU (bounds the [rows, vocab] temporaries; the compiled unfiltered draw has none
+and samples every row at once unless greedy rows, which take a [rows, vocab] log-softmax, are mixed in)."""
 _STALL_STEPS = 10_000
 
 
@@ -689,7 +689,9 @@ class Engine:
                 for i in range(0, padded.shape[0], block)
             ]
         elif (
-            self.device.type == "cuda" and num > _SAMPLE_BLOCK_GPU and (st.any_filter or not fused.enabled())
+            self.device.type == "cuda"
+            and num > _SAMPLE_BLOCK_GPU
+            and (st.any_greedy or not draws_from_block_masses(st, self.device))
         ):
             out = [
                 sample(logits[i : i + _SAMPLE_BLOCK_GPU], st.rows(slice(i, i + _SAMPLE_BLOCK_GPU)))

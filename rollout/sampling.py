@@ -215,6 +215,11 @@ def _sample_from_block_masses(
     return tokens.squeeze(-1), ((chosen - top).squeeze(-1) - total.log()).float()
 
 
+def draws_from_block_masses(params: SamplingTensors, device: torch.device) -> bool:
+    """Whether `sample` takes the compiled unfiltered draw, whose temporaries are [B, blocks], not [B, V]."""
+    return not params.any_filter and not params.all_greedy and fused.compiling() and device.type == "cuda"
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype) -> (token ids [B] int64, logprobs [B] float32), no host sync."""
     if params.all_greedy:
@@ -224,7 +229,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor,
     temperature = params.temperature
     if params.any_greedy:
         temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
-    if not params.any_filter and fused.enabled() and logits.is_cuda:
+    if draws_from_block_masses(params, logits.device):
         tokens, logprobs = _sample_from_block_masses(logits, temperature, params.uniform)
     elif params.any_filter:
         logq, ids = filtered_logprobs(logits.float(), temperature, params.top_k, params.top_p, params.min_p)

@@ -341,6 +341,19 @@ def test_fused_router_matches_softmax_topk(tokens: int, experts: int, top_k: int
     torch.testing.assert_close(weights, ref_w.bfloat16(), atol=0, rtol=8e-3)
 
 
+def test_fused_router_keeps_nan_rows_in_range() -> None:
+    """A NaN/inf row of router logits (a diverged policy) yields valid, distinct expert ids (their weights
+    stay NaN, as eager's do), so routing replay and the expert layout never see an id out of range."""
+    from miles.models import fused_moe
+
+    logits = torch.randn(6, 60, device="cuda").bfloat16()
+    logits[1, 7], logits[4, 2] = float("nan"), float("inf")
+    weights, chosen = fused_moe.route(logits, 4, True, torch.bfloat16)
+    assert ((chosen >= 0) & (chosen < 60)).all()
+    assert (chosen.sort(-1).values.diff(dim=-1) > 0).all()
+    assert weights[[1, 4]].isnan().all() and not weights[[0, 2, 3, 5]].isnan().any()
+
+
 def test_compiled_sampler_draws_what_the_eager_one_draws() -> None:
     """The engine's unfiltered draw on CUDA with fused kernels (compiled block totals) against the eager
     float64 inverse CDF: same tokens, logprobs to float32 rounding; mixed greedy rows included."""

@@ -85,6 +85,11 @@ def enabled() -> bool:
     return _enabled
 
 
+def compiling() -> bool:
+    """Whether `call` compiles here (fused kernels on and torch.compile has not failed in this process)."""
+    return _enabled and not _failed
+
+
 def call(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args), compiled when fused kernels are on."""
     global _failed

@@ -35,10 +35,12 @@ except ImportError:  # CPU-only installs: the eager experts run instead
     triton = None  # type: ignore[assignment]
 
 _disabled = False
+# `tl.histogram(..., mask=)` arrived in Triton 3.4 (torch 2.8); older stacks use the grouped GEMMs.
+_NEW_ENOUGH = triton is not None and tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 4)
 
 
 def available() -> bool:
-    return triton is not None and not _disabled
+    return _NEW_ENOUGH and not _disabled
 
 
 def disable(err: Exception) -> None:
@@ -99,7 +101,10 @@ if triton is not None:
         for start in range(0, num_pairs, CHUNK):
             offs = start + tl.arange(0, CHUNK)
             ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32)
-            counts += tl.histogram(ids, BINS, mask=offs < num_pairs)
+            # Ids outside [0, NUM_EXPERTS) are left out (their pairs are never computed) rather than counted
+            # into a bin no program fills, which would leave unwritten rows inside `total`.
+            valid = (offs < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)
+            counts += tl.histogram(ids, BINS, mask=valid)
         padded = (counts + BM - 1) // BM * BM
         ends = tl.cumsum(padded, 0)
         mine = bins == e
@@ -144,18 +149,25 @@ if triton is not None:
         logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past the end: finite, never stored
         exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         probs = exps / tl.sum(exps, axis=1)[:, None]
+        # A NaN/inf row (a diverged policy) still picks valid experts (its weights stay NaN, as eager's do);
+        # padding columns can never be picked.
+        ranked = tl.where(probs == probs, probs, -1.0)
+        ranked = tl.where((cols < num_experts)[None, :], ranked, float("-inf"))
         slots = tl.arange(0, K_BINS)
         picked = tl.zeros([ROWS, K_BINS], dtype=tl.float32)
         ids = tl.zeros([ROWS, K_BINS], dtype=tl.int64)
         total = tl.zeros([ROWS], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            best = tl.max(probs, axis=1)
-            # the lowest expert id among equal probabilities, as a stable sort would pick
-            best_id = tl.min(tl.where(probs == best[:, None], cols[None, :], BINS), axis=1)
-            picked = tl.where(slots[None, :] == j, best[:, None], picked)
+            best = tl.max(ranked, axis=1)
+            # Among equal probabilities the lowest expert id (torch.topk leaves tie order unspecified; with
+            # routing replay the trainer uses whatever the engine chose).
+            best_id = tl.min(tl.where(ranked == best[:, None], cols[None, :], BINS), axis=1)
+            hit = cols[None, :] == best_id[:, None]
+            prob = tl.sum(tl.where(hit, probs, 0.0), axis=1)
+            picked = tl.where(slots[None, :] == j, prob[:, None], picked)
             ids = tl.where(slots[None, :] == j, best_id[:, None].to(tl.int64), ids)
-            total += best
-            probs = tl.where(cols[None, :] == best_id[:, None], -1.0, probs)
+            total += prob
+            ranked = tl.where(hit, float("-inf"), ranked)
         if RENORMALIZE:
             picked = picked / total[:, None]
         out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
@@ -190,7 +202,7 @@ if triton is not None:
             return
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
-        real = pair < num_pairs
+        real = (pair >= 0) & (pair < num_pairs)
         token = (pair // top_k).to(tl.int64)
         cols = tile_n * BN + tl.arange(0, BN)
         col_ok = cols < N
@@ -245,7 +257,7 @@ if triton is not None:
             return
         expert = tl.load(block_expert_ptr + block).to(tl.int64)
         pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
-        real = pair < num_pairs
+        real = (pair >= 0) & (pair < num_pairs)
         rows = pair.to(tl.int64)
         cols = tile_n * BN + tl.arange(0, BN)
         col_ok = cols < N
@@ -339,7 +351,8 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{chosen[t, j]}(x[t]) for each token t.
 
-    x: [T, H]; gate_up_proj: [E, 2I, H]; down_proj: [E, H, I]; chosen: [T, k] ids; weights: [T, k] in x's dtype.
+    x: [T, H]; gate_up_proj: [E, 2I, H]; down_proj: [E, H, I]; chosen: [T, k] ids in [0, E) (others are
+    skipped and leave their slot's row undefined); weights: [T, k] in x's dtype.
     With `sum_slots=False` it returns the [T, k, H] weighted outputs per slot, for the caller to fold the sum
     into another kernel.
     """

@@ -73,7 +73,9 @@ class SparseMoeBlock(nn.Module):
         if (routing is None or routing.replay is None) and self.experts.fused(x, x.shape[0] * self.top_k):
             try:
                 weights, chosen = fused_moe.route(router_logits, self.top_k, self.norm_topk_prob, x.dtype)
-            except Exception as err:  # no compiler for Triton here: the eager router gives the same choice
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as err:  # Triton cannot compile here: the eager router computes the same thing
                 fused_moe.disable(err)
             else:
                 if routing is not None and routing.record:
@@ -156,7 +158,9 @@ class Experts(nn.Module):
             return fused_moe.experts_forward(
                 x, self.gate_up_proj, self.down_proj, chosen, weights, sum_slots=False
             )
-        except Exception as err:  # no compiler for Triton here: the grouped GEMMs give the same results
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # Triton cannot compile here: the grouped GEMMs compute the same function
             fused_moe.disable(err)
             return None
 
@@ -168,7 +172,7 @@ class Experts(nn.Module):
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
             and not self.batch_invariant_block
-            and not (torch.is_grad_enabled() and x.requires_grad)
+            and not torch.is_grad_enabled()  # any parameter may want a gradient
             and num_pairs <= FUSED_MAX_PAIRS_PER_EXPERT * self.num_experts
         )
 
