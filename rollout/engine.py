@@ -436,6 +436,7 @@ class Engine:
             "rollout/spec_draft_tokens": float(s.spec_draft_tokens),
             "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),
             "rollout/weight_version": float(self._weight_version),
+            "rollout/device_wait_s": s.device_wait_s,
         }
         if reset:
             self.stats = EngineStats(peak_used_tokens=used)

@@ -203,6 +203,7 @@ def test_metrics_names() -> None:
         "rollout/prefix_hit_rate",
         "rollout/cache_usage",
         "rollout/preemptions",
+        "rollout/device_wait_s",
     ):
         assert name in metrics
     assert metrics["rollout/output_tokens"] == 24 and metrics["rollout/tokens_per_s"] > 0
