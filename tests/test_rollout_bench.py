@@ -69,10 +69,14 @@ def test_floor_counts_match_published_qwen3_sizes() -> None:
     assert decode_weight_bytes(moe, torch.bfloat16, 4096) == pytest.approx(2 * (30.5e9 - embedding), rel=0.03)
 
 
-def test_bench_layers_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_layers_and_moe_need_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from miles.rollout import bench_moe
+
     if torch.cuda.is_available():
-        pytest.skip("has a GPU; tests/test_rollout_gpu.py runs it")
+        pytest.skip("has a GPU; tests/test_rollout_gpu.py runs them")
     assert bench_layers.main(["--model", "qwen3-0.6b"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+    assert bench_moe.main(["--model", "tiny"]) == 2
     assert "CUDA" in capsys.readouterr().err
 
 
