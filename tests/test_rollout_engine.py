@@ -253,15 +253,11 @@ def assert_same_samples(got: list[Sample], want: list[Sample]) -> None:
         assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5)
 
 
-def test_overlap_schedule_gives_the_same_samples() -> None:
-    """Requests that stop early (a stop id, the context end, a tiny pool) get one extra decode row under
-    overlap scheduling; its result must be dropped and its KV slot given back."""
-    model = tiny_model(True, seed=4, max_position_embeddings=40)
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
-    params = SamplingParams(
-        n=4, temperature=1.0, max_new_tokens=24, seed=11, stop_token_ids=[5, 17, 33], return_routing=True
-    )
-    runs = generate_per_setting(
+def overlap_off_and_on(
+    model: CausalLM, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, tuple[list[Sample], Engine]]:
+    """The same requests with overlap scheduling off and on, in a pool of 48 tokens (it preempts)."""
+    return generate_per_setting(
         model,
         prompts,
         params,
@@ -270,6 +266,17 @@ def test_overlap_schedule_gives_the_same_samples() -> None:
         kv_cache_bytes=kv_bytes(model, 48),
         max_running_requests=16,
     )
+
+
+def test_overlap_schedule_gives_the_same_samples() -> None:
+    """Requests that stop early (a stop id, the context end, a tiny pool) get one extra decode row under
+    overlap scheduling; its result must be dropped and its KV slot given back."""
+    model = tiny_model(True, seed=4, max_position_embeddings=40)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
+    params = SamplingParams(
+        n=4, temperature=1.0, max_new_tokens=24, seed=11, stop_token_ids=[5, 17, 33], return_routing=True
+    )
+    runs = overlap_off_and_on(model, prompts, params)
     (off, off_engine), (on, on_engine) = runs["off"], runs["on"]
     dropped = (off_engine.stats.dropped_rows, on_engine.stats.dropped_rows)  # before metrics() resets them
     assert_same_samples(on, off)
@@ -326,15 +333,7 @@ def test_no_retraction_while_a_token_is_in_flight() -> None:
     params = SamplingParams(
         n=2, temperature=1.0, max_new_tokens=20, seed=442, stop_token_ids=[36, 94, 27, 9], return_routing=True
     )
-    runs = generate_per_setting(
-        model,
-        prompts,
-        params,
-        "overlap_schedule",
-        ("off", "on"),
-        kv_cache_bytes=kv_bytes(model, 48),
-        max_running_requests=16,
-    )
+    runs = overlap_off_and_on(model, prompts, params)
     (off, _), (on, _) = runs["off"], runs["on"]
     assert [s.response_ids for s in on] == [s.response_ids for s in off]
     assert all(s.routed_experts is not None for s in on)
