@@ -231,29 +231,25 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor,
         temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
     if draws_from_block_masses(params, logits.device):
         tokens, logprobs = _sample_from_block_masses(logits, temperature, params.uniform)
-    elif params.any_filter:
-        logq, ids = filtered_logprobs(logits.float(), temperature, params.top_k, params.top_p, params.min_p)
-        idx, _ = _inverse_cdf(torch.exp(logq), params.uniform)
-        tokens = ids.gather(-1, idx[:, None]).squeeze(-1)
-        logprobs = logq.gather(-1, idx[:, None]).squeeze(-1)
     else:
-        logits32 = logits.float()
-        scaled = logits32 if params.unit_temperature else logits32 / temperature[:, None]
-        # No softmax over the vocabulary: the draw scales with the total of the weights exp(scaled - max), and
-        # log q(token) = (scaled - max)[token] - log(total).
-        top = scaled.amax(dim=-1, keepdim=True)
-        tokens, total = _inverse_cdf((scaled - top).exp_(), params.uniform)
-        logprobs = ((scaled.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log()).float()
-    if params.any_greedy:
-        tokens, logprobs = _with_greedy_rows(logits.float(), params, tokens, logprobs)
+        logits = logits.float()
+        if params.any_filter:
+            logq, ids = filtered_logprobs(logits, temperature, params.top_k, params.top_p, params.min_p)
+            idx, _ = _inverse_cdf(torch.exp(logq), params.uniform)
+            tokens = ids.gather(-1, idx[:, None]).squeeze(-1)
+            logprobs = logq.gather(-1, idx[:, None]).squeeze(-1)
+        else:
+            scaled = logits if params.unit_temperature else logits / temperature[:, None]
+            # No softmax over the vocabulary: the draw scales with the total of the weights exp(scaled - max),
+            # and log q(token) = (scaled - max)[token] - log(total).
+            top = scaled.amax(dim=-1, keepdim=True)
+            tokens, total = _inverse_cdf((scaled - top).exp_(), params.uniform)
+            logprobs = ((scaled.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log()).float()
+    if params.any_greedy:  # rows of temperature 0 take the argmax and its temperature-1 logprob
+        logits = logits.float()  # a no-op where the branch above already converted
+        greedy = params.temperature == 0.0
+        argmax = torch.argmax(logits, dim=-1)
+        greedy_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None]).squeeze(-1)
+        tokens = torch.where(greedy, argmax, tokens)
+        logprobs = torch.where(greedy, greedy_logprobs, logprobs)
     return tokens, logprobs
-
-
-def _with_greedy_rows(
-    logits: torch.Tensor, params: SamplingTensors, tokens: torch.Tensor, logprobs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of temperature 0 take the argmax and its temperature-1 logprob."""
-    greedy = params.temperature == 0.0
-    argmax = torch.argmax(logits, dim=-1)
-    greedy_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, argmax[:, None]).squeeze(-1)
-    return torch.where(greedy, argmax, tokens), torch.where(greedy, greedy_logprobs, logprobs)
