@@ -209,13 +209,35 @@ def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
 
     rows = sorted((e for e in events if counted(e)), key=cost, reverse=True)
     total_ms = sum(cost(e) for e in rows) / 1e3 / steps
+    busy = device_busy_fraction(prof.events()) if on_device else None
     return {
         "profile_ms_per_step": total_ms,
+        **({"profile_device_busy_fraction": busy} if busy is not None else {}),
         "profile_top": [
             {"name": e.key[:120], "ms_per_step": cost(e) / 1e3 / steps, "calls_per_step": e.count / steps}
             for e in rows[:top]
         ],
     }
+
+
+def device_busy_fraction(events: Any) -> float | None:
+    """The share of the window (first kernel start to last kernel end) in which some kernel ran: what is
+    missing is device idle time between kernels (launch gaps, host-bound steps)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return None
+    busy, reach = 0.0, spans[0][0]
+    for start, end in spans:
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / (reach - spans[0][0])
 
 
 def hf_sharing(model: CausalLM) -> Any:
@@ -535,6 +557,11 @@ def print_table(r: dict[str, Any]) -> None:
         print(
             f"profiled: {r['profile_ms_per_step']:.2f} ms of kernels per step of {r['profile_wall_ms_per_step']:.2f} "
             "ms (profiler on)"
+            + (
+                f", device busy {100 * r['profile_device_busy_fraction']:.0f}% of the window"
+                if "profile_device_busy_fraction" in r
+                else ""
+            )
         )
         for e in r["profile_top"]:
             print(f"  {e['ms_per_step']:8.3f} ms  x{e['calls_per_step']:<6.1f} {e['name'][:90]}")

@@ -111,7 +111,7 @@ def sweep_grid() -> list[fused_moe.TileConfig]:
     return [
         fused_moe.TileConfig(bm, bn, bk, warps, stages)
         for bm, bn, bk, warps, stages in itertools.product(
-            (16, 32, 64), (64, 128), (64, 128), (4,), (3, 4, 5)
+            (16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4, 5)
         )
     ]
 
@@ -169,19 +169,35 @@ def main(argv: list[str]) -> int:
 
 
 def sweep(layers: MoeLayers, routed: list, iters: int) -> dict[str, Any]:
-    """Best config for each kernel, the other kernel held at its default."""
+    """Best configs for each kernel (the other held at its default), then the best pair per row block
+    (one expert layout serves both kernels) and the best pair overall (two layouts when the blocks differ)."""
+
+    def time(**cfgs: fused_moe.TileConfig) -> float | None:
+        try:
+            return graph_ms(run_all(layers, routed, functools.partial(fused, **cfgs)), iters) / len(
+                layers.experts
+            )
+        except Exception as err:  # a tile too large for shared memory: skip it
+            print(f"  {cfgs}: {type(err).__name__}", file=sys.stderr)
+            return None
+
     best: dict[str, Any] = {}
+    ranked: dict[str, list[tuple[float, fused_moe.TileConfig]]] = {}
     for which in ("up_cfg", "down_cfg"):
-        timed = []
-        for cfg in sweep_grid():
-            try:
-                ms = graph_ms(run_all(layers, routed, functools.partial(fused, **{which: cfg})), iters)
-            except Exception as err:  # a tile too large for shared memory: skip it
-                print(f"  {which} {cfg}: {type(err).__name__}", file=sys.stderr)
-                continue
-            timed.append((ms / len(layers.experts), cfg))
-        timed.sort(key=lambda t: t[0])
-        best[which] = [{"ms_per_layer": ms, "config": vars(cfg)} for ms, cfg in timed[:3]]
+        timed = [(ms, cfg) for cfg in sweep_grid() if (ms := time(**{which: cfg})) is not None]
+        ranked[which] = sorted(timed, key=lambda t: t[0])
+        best[which] = [{"ms_per_layer": ms, "config": vars(cfg)} for ms, cfg in ranked[which][:3]]
+    pairs = {"best pair": (ranked["up_cfg"][0][1], ranked["down_cfg"][0][1])}
+    for bm in sorted({cfg.block_m for _, cfg in ranked["up_cfg"]}):
+        up = [cfg for _, cfg in ranked["up_cfg"] if cfg.block_m == bm]
+        down = [cfg for _, cfg in ranked["down_cfg"] if cfg.block_m == bm]
+        if up and down:
+            pairs[f"block_m {bm}"] = (up[0], down[0])
+    best["pairs"] = [
+        {"name": name, "ms_per_layer": ms, "up": vars(up), "down": vars(down)}
+        for name, (up, down) in pairs.items()
+        if (ms := time(up_cfg=up, down_cfg=down)) is not None
+    ]
     return best
 
 

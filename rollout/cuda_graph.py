@@ -3,8 +3,8 @@
 Each bucket owns a flashinfer decode wrapper bound to static index buffers and a graph captured on static
 input buffers (token ids, positions, KV slots). A decode step of B requests pads to the smallest bucket
 >= B (padding rows read and write the reserved page 0), re-plans the wrapper with the real page table and
-replays. Graphs point into the KV pool, so they are dropped when the pool is released and re-captured on
-first use.
+replays; the fused MoE kernels route the padding rows to no expert. Graphs point into the KV pool, so
+they are dropped when the pool is released and re-captured on first use.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class CudaGraphRunner:
         self.last_buf = torch.zeros(n, dtype=torch.int32, device=device)
         # Sequences can share pages (radix cache): a batch's page list is bounded per sequence only.
         self.indices_buf = torch.zeros(n * pages_per_seq, dtype=torch.int32, device=device)
+        # The real rows of a replay; the fused MoE kernels skip the padding after them.
+        self.valid_rows = torch.zeros(1, dtype=torch.int32, device=device)
         mempool = torch.cuda.graph_pool_handle()
         for bs in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its memory
             wrapper = backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
@@ -86,15 +88,20 @@ class CudaGraphRunner:
                 torch.arange(bs + 1, dtype=torch.int32),
                 torch.zeros(bs, dtype=torch.int32, device=device),
                 torch.ones(bs, dtype=torch.int32),
+                disable_split_kv=not backend.graph_splits_kv(bs),
             )
             attn = FlashinferAttention(pool, wrapper, self.slots[:bs])
 
             def forward(
                 bs: int = bs, attn: FlashinferAttention = attn
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-                out = model.forward_packed(self.ids[:bs], self.positions[:bs], attn, runner.new_trace())
+                trace = runner.new_trace()
+                if trace is not None:
+                    trace.valid_rows = self.valid_rows
+                out = model.forward_packed(self.ids[:bs], self.positions[:bs], attn, trace)
                 return model.compute_logits(out.hidden), out.routing
 
+            self.valid_rows.fill_(bs)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -116,6 +123,7 @@ class CudaGraphRunner:
         self.ids[:real].copy_(batch.input_ids)
         self.positions[:real].copy_(batch.positions)
         self.slots[:real].copy_(batch.out_slots)
+        self.valid_rows.fill_(real)
         if bs > real:
             self.ids[real:bs].zero_()
             self.positions[real:bs].zero_()
@@ -128,7 +136,10 @@ class CudaGraphRunner:
             indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
             indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32, device=indices.device)])
             last = torch.from_numpy(np.concatenate([last.numpy(), np.ones(pad, dtype=np.int32)]))
-        self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
+        backend = self.runner.flashinfer
+        assert backend is not None
+        # The same split choice as at capture: the graph holds the kernels that choice launches.
+        backend.plan(entry.wrapper, indptr, indices, last, disable_split_kv=not backend.graph_splits_kv(bs))
         entry.graph.replay()
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing

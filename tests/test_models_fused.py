@@ -56,6 +56,17 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm() -> None:
     assert torch.equal(normed, fused.rms_norm(x + delta, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_is_each_heads_norm_then_rope(dtype: torch.dtype) -> None:
+    """q and k normed and rotated side by side give exactly what the two separate calls give."""
+    q, k = torch.randn(7, 4, 16, dtype=dtype), torch.randn(7, 2, 16, dtype=dtype)
+    wq, wk = torch.randn(16, dtype=dtype), torch.randn(16, dtype=dtype)
+    cos, sin = torch.randn(7, 16, dtype=dtype), torch.randn(7, 16, dtype=dtype)
+    both = fused.qk_norm_rope(torch.cat((q, k), dim=1), wq, wk, 4, 1e-6, cos, sin)
+    assert torch.equal(both[:, :4], fused.rms_norm_rope(q, wq, 1e-6, cos, sin))
+    assert torch.equal(both[:, 4:], fused.rms_norm_rope(k, wk, 1e-6, cos, sin))
+
+
 def test_an_input_error_is_raised_and_keeps_fusion_on(monkeypatch: pytest.MonkeyPatch) -> None:
     def failing_compile(fn: object, **kwargs: object) -> object:
         def run(*args: object) -> None:

@@ -230,6 +230,7 @@ def test_fused_kernels_match_the_eager_ones() -> None:
     cases = [
         (fused.rms_norm, (x, w, 1e-6)),
         (fused.rms_norm_rope, (x, w, 1e-6, cos, sin)),
+        (fused.qk_norm_rope, (x[:, :6], w, w.flip(0), 4, 1e-6, cos, sin)),
         (fused.add_rms_norm, (x[:, 0], x[:, 1], w, 1e-6)),
         (fused.silu_mul, (x, x.flip(0))),
         (fused.add_slot_sum, (x[:, 0], x[:, :4])),
@@ -354,6 +355,35 @@ def test_fused_router_keeps_nan_rows_in_range() -> None:
     assert weights[[1, 4]].isnan().all() and not weights[[0, 2, 3, 5]].isnan().any()
 
 
+def test_fused_moe_skips_padding_rows() -> None:
+    """Rows from `valid_rows` on (CUDA-graph padding) get expert id E and weight 0, and the experts compute
+    nothing for them; the real rows come out exactly as without the padding."""
+    from miles.models import fused_moe
+
+    torch.manual_seed(3)
+    tokens, real, experts, top_k, hidden, inter = 40, 29, 16, 4, 256, 128
+    layer = Experts(experts, hidden, inter).cuda().bfloat16()
+    torch.nn.init.normal_(layer.gate_up_proj, std=hidden**-0.5)
+    torch.nn.init.normal_(layer.down_proj, std=inter**-0.5)
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    logits = torch.randn(tokens, experts, device="cuda").bfloat16()
+    valid = torch.tensor([real], dtype=torch.int32, device="cuda")
+    weights, chosen = fused_moe.route(logits, top_k, True, torch.bfloat16, valid_rows=valid)
+    full_w, full_c = fused_moe.route(logits, top_k, True, torch.bfloat16)
+    assert torch.equal(chosen[:real], full_c[:real]) and torch.equal(weights[:real], full_w[:real])
+    assert (chosen[real:] == experts).all() and (weights[real:] == 0).all()
+    layout = fused_moe.align(chosen, experts, 16)
+    rows = layout.sorted_pairs[: int(layout.total)]
+    assert int((rows < chosen.numel()).sum()) == real * top_k  # padding pairs are left out
+    cfg = fused_moe.TileConfig(16, 64, 64, 4, 3)
+    with torch.no_grad():
+        padded = fused_moe.experts_forward(x, layer.gate_up_proj, layer.down_proj, chosen, weights, cfg, cfg)
+        alone = fused_moe.experts_forward(
+            x[:real], layer.gate_up_proj, layer.down_proj, full_c[:real], full_w[:real], cfg, cfg
+        )
+    assert torch.equal(padded[:real], alone)
+
+
 def test_compiled_sampler_draws_what_the_eager_one_draws() -> None:
     """The engine's unfiltered draw on CUDA with fused kernels (compiled block totals) against the eager
     float64 inverse CDF: same tokens, logprobs to float32 rounding; mixed greedy rows included."""
@@ -435,6 +465,13 @@ def test_engine_moe_decode_runs_the_fused_experts(monkeypatch: pytest.MonkeyPatc
         assert sample.routed_experts is not None and len(sample.routed_experts) == len(sample.prompt_ids) + 7
         assert all(
             len(layer) == model.args.num_experts_per_tok for token in sample.routed_experts for layer in token
+        )
+        # Graph padding rows route to id E; none of that reaches a sample.
+        assert all(
+            0 <= e < model.args.num_experts
+            for token in sample.routed_experts
+            for layer in token
+            for e in layer
         )
 
 

@@ -50,6 +50,22 @@ def rms_norm_rope(
     return rope(rms_norm(x, weight, eps), cos, sin)
 
 
+def qk_norm_rope(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_q_heads: int,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """`rms_norm_rope` of q and of k, over their heads side by side ([N, Hq + Hk, D], as the fused QKV
+    projection lays them out): one kernel where two were, the same arithmetic per element."""
+    heads, dim = qk.shape[1], qk.shape[2]
+    weight = torch.cat((q_weight.expand(num_q_heads, dim), k_weight.expand(heads - num_q_heads, dim)))
+    return rms_norm_rope(qk, weight, eps, cos, sin)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 

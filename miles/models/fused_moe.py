@@ -133,6 +133,7 @@ if triton is not None:
         logits_ptr,  # [T, E] router logits
         weights_ptr,  # out: [T, K] gating weights (activation dtype)
         chosen_ptr,  # out: [T, K] expert ids (int64), highest probability first
+        valid_ptr,  # [1] rows in use (the rest are CUDA-graph padding); read only when HAS_VALID
         num_tokens,
         num_experts,
         stride_logits,
@@ -141,6 +142,7 @@ if triton is not None:
         BINS: tl.constexpr,  # num_experts rounded up to a power of two
         ROWS: tl.constexpr,
         RENORMALIZE: tl.constexpr,
+        HAS_VALID: tl.constexpr,
     ):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BINS)
@@ -172,6 +174,10 @@ if triton is not None:
             ranked = tl.where(hit, float("-inf"), ranked)
         if RENORMALIZE:
             picked = picked / total[:, None]
+        if HAS_VALID:  # padding rows route to no expert: the align kernel leaves id num_experts out
+            padding = rows >= tl.load(valid_ptr)
+            ids = tl.where(padding[:, None], num_experts, ids)
+            picked = tl.where(padding[:, None], 0.0, picked)
         out_mask = row_ok[:, None] & (slots < TOP_K)[None, :]
         offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
         tl.store(weights_ptr + offs, picked.to(weights_ptr.dtype.element_ty), mask=out_mask)
@@ -282,10 +288,17 @@ if triton is not None:
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    valid_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in `dtype`, chosen [T, k] int64): float32 softmax over the experts, the top k (highest
-    first), optionally renormalised over them; one kernel instead of softmax, topk, sum, divide and cast."""
+    first), optionally renormalised over them; one kernel instead of softmax, topk, sum, divide and cast.
+
+    `valid_rows` ([1] int32 on the device) marks the rows from that index on as padding: they get expert id
+    E and weight 0, so `experts_forward` computes nothing for them."""
     num_tokens, num_experts = router_logits.shape
     router_logits = router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=dtype, device=router_logits.device)
@@ -295,6 +308,7 @@ def route(
         router_logits,
         weights,
         chosen,
+        chosen if valid_rows is None else valid_rows,
         num_tokens,
         num_experts,
         router_logits.stride(0),
@@ -303,6 +317,7 @@ def route(
         BINS=triton.next_power_of_2(num_experts),
         ROWS=rows,
         RENORMALIZE=renormalize,
+        HAS_VALID=valid_rows is not None,
     )
     return weights, chosen
 

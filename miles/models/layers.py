@@ -94,16 +94,25 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionContext
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         if self.q_norm is not None:
-            q = fused.call(fused.rms_norm_rope, q, self.q_norm.weight, self.q_norm.eps, cos, sin)
-            k = fused.call(fused.rms_norm_rope, k, self.k_norm.weight, self.k_norm.eps, cos, sin)
+            assert self.k_norm is not None and self.q_norm.eps == self.k_norm.eps
+            qk = fused.call(
+                fused.qk_norm_rope,
+                qk,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.num_heads,
+                self.q_norm.eps,
+                cos,
+                sin,
+            )
         else:
-            q, k = fused.call(fused.rope, q, cos, sin), fused.call(fused.rope, k, cos, sin)
+            qk = fused.call(fused.rope, qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

@@ -22,11 +22,15 @@ class RoutingTrace:
 
     `replay[j]` holds the [N, top_k] expert ids for the j-th MoE layer of this forward; gating weights are
     still computed from this forward's router probabilities, renormalised over the replayed experts.
+    `valid_rows` ([1] int32 on the device, set by CUDA-graph decode) counts the real rows: the rows after
+    them pad the batch to the graph's size, and the fused kernels route them to no expert (recorded as id E)
+    instead of computing experts for outputs nobody reads.
     """
 
     record: bool = True
     replay: list[torch.Tensor] | torch.Tensor | None = None
     recorded: list[torch.Tensor] = field(default_factory=list)
+    valid_rows: torch.Tensor | None = None
 
     def choose(self, moe_index: int, probs: torch.Tensor, top_k: int) -> torch.Tensor:
         if self.replay is not None:
@@ -63,6 +67,9 @@ class SparseMoeBlock(nn.Module):
         slots = self.experts.forward_slots(x, chosen, weights)
         if slots is not None:
             return slots.sum(dim=1) if residual is None else fused.call(fused.add_slot_sum, residual, slots)
+        if routing is not None and routing.valid_rows is not None:
+            # The fused router ran but its experts failed to compile: give padding rows a real expert.
+            chosen = chosen.clamp(max=self.num_experts - 1)
         out = self.experts(x, chosen, weights)
         return out if residual is None else residual + out
 
@@ -72,7 +79,10 @@ class SparseMoeBlock(nn.Module):
         """(gating weights [N, k] in x's dtype, expert ids [N, k])."""
         if (routing is None or routing.replay is None) and self.experts.fused(x, x.shape[0] * self.top_k):
             try:
-                weights, chosen = fused_moe.route(router_logits, self.top_k, self.norm_topk_prob, x.dtype)
+                valid = routing.valid_rows if routing is not None else None
+                weights, chosen = fused_moe.route(
+                    router_logits, self.top_k, self.norm_topk_prob, x.dtype, valid_rows=valid
+                )
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as err:  # Triton cannot compile here: the eager router computes the same thing
