@@ -18,8 +18,13 @@ import torch
 from miles.models.presets import preset_args
 from miles.rollout.bench import measure_copy_bandwidth, median_cuda_seconds
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "fa2-tensor-core": dict(use_tensor_cores=True, backend="fa2"),
+    # As the engine's CUDA-graph decode plans it (fixed buffers; flashinfer then always runs its merge).
+    "fa2-graph": dict(use_tensor_cores=True, backend="fa2", graph=True),
+    "fa2-graph-no-split": dict(use_tensor_cores=True, backend="fa2", graph=True, disable_split_kv=True),
+    # q as the engine passes it: a view of the [B, Hq + Hkv, D] q/k buffer (row stride (Hq + Hkv) * D).
+    "fa2-graph-strided-q": dict(use_tensor_cores=True, backend="fa2", graph=True, strided_q=True),
     "fa2-cuda-core": dict(use_tensor_cores=False),
     "fa3-tensor-core": dict(use_tensor_cores=True, backend="fa3"),
 }
@@ -50,7 +55,19 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
     indptr = torch.arange(0, a.batch * pages_per_seq + 1, pages_per_seq, dtype=torch.int32)
     last = torch.full((a.batch,), a.context - (pages_per_seq - 1) * a.page_size, dtype=torch.int32)
     workspace = torch.empty(1024 * 1024 * 1024, dtype=torch.uint8, device=device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **VARIANTS[name])
+    options = dict(VARIANTS[name])
+    graph, strided_q = options.pop("graph", False), options.pop("strided_q", False)
+    plan_options = (
+        {"disable_split_kv": options.pop("disable_split_kv")} if "disable_split_kv" in options else {}
+    )
+    if graph:
+        options.update(
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=indptr.to(device),
+            paged_kv_indices_buffer=indices.clone(),
+            paged_kv_last_page_len_buffer=last.to(device),
+        )
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **options)
     wrapper.plan(
         indptr,
         indices,
@@ -61,8 +78,12 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
         a.page_size,
         q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
+        **plan_options,
     )
-    q = torch.randn(a.batch, hq, d, device=device, dtype=torch.bfloat16)
+    if strided_q:
+        q = torch.randn(a.batch, hq + hkv, d, device=device, dtype=torch.bfloat16)[:, :hq]
+    else:
+        q = torch.randn(a.batch, hq, d, device=device, dtype=torch.bfloat16)
     out = wrapper.run(q, (k, v))
     # Against float32 math on the first sequences (the pages each one reads).
     ref = []
