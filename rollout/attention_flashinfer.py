@@ -69,7 +69,6 @@ class FlashinferBackend:
         self.scale = float(args.head_dim) ** -0.5  # type: ignore[operator]
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=pool.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=kernel)
-        self.sm_count = torch.cuda.get_device_properties(pool.device).multi_processor_count
         self._plan_copied: torch.cuda.Event | None = None
 
     def plan(
@@ -113,15 +112,6 @@ class FlashinferBackend:
         indptr, indices, last = paged_kv_metadata(self.table, batch.rows, batch.kv_lens, self.pool.page_size)
         self.plan(self.prefill, indptr, indices, last, qo_indptr=qo_indptr, causal=True)
         return FlashinferAttention(self.pool, self.prefill, batch.out_slots)
-
-    def graph_splits_kv(self, batch_size: int) -> bool:
-        """Whether a graph decode of `batch_size` rows may split its KV over several CTAs.
-
-        flashinfer's fa2 scheduler splits only while one CTA per row and KV head leaves some of its 2 CTAs per
-        SM idle. In CUDA-graph mode it still launches the merge kernel when nothing was split (a pass over
-        every output: ~0.6 ms per step at batch 748 on Qwen3-30B-A3B), so larger graphs plan with split-KV
-        disabled: the same attention, written straight to the output."""
-        return batch_size * self.num_kv_heads <= 2 * self.sm_count
 
     def graph_decode_wrapper(
         self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor

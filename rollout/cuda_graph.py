@@ -88,7 +88,6 @@ class CudaGraphRunner:
                 torch.arange(bs + 1, dtype=torch.int32),
                 torch.zeros(bs, dtype=torch.int32, device=device),
                 torch.ones(bs, dtype=torch.int32),
-                disable_split_kv=not backend.graph_splits_kv(bs),
             )
             attn = FlashinferAttention(pool, wrapper, self.slots[:bs])
 
@@ -136,10 +135,7 @@ class CudaGraphRunner:
             indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
             indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32, device=indices.device)])
             last = torch.from_numpy(np.concatenate([last.numpy(), np.ones(pad, dtype=np.int32)]))
-        backend = self.runner.flashinfer
-        assert backend is not None
-        # The same split choice as at capture: the graph holds the kernels that choice launches.
-        backend.plan(entry.wrapper, indptr, indices, last, disable_split_kv=not backend.graph_splits_kv(bs))
+        self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
         entry.graph.replay()
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing

@@ -73,8 +73,8 @@ GATE_UP_CONFIGS: list[tuple[float, TileConfig]] = [
 DOWN_CONFIGS: list[tuple[float, TileConfig]] = [
     (8.0, TileConfig(16, 64, 128, 4, 4)),
     (24.0, TileConfig(16, 128, 64, 4, 4)),
-    (40.0, TileConfig(32, 128, 64, 4, 4)),
-    (float("inf"), TileConfig(64, 128, 64, 4, 4)),
+    # The gate/up kernel's row block: one expert layout serves both kernels.
+    (float("inf"), TileConfig(64, 128, 64, 8, 4)),
 ]
 
 
