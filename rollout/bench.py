@@ -209,10 +209,17 @@ def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
 
     rows = sorted((e for e in events if counted(e)), key=cost, reverse=True)
     total_ms = sum(cost(e) for e in rows) / 1e3 / steps
-    busy = device_busy_fraction(prof.events()) if on_device else None
+    idle = device_idle(prof.events()) if on_device else None
     return {
         "profile_ms_per_step": total_ms,
-        **({"profile_device_busy_fraction": busy} if busy is not None else {}),
+        **(
+            {
+                "profile_device_busy_fraction": idle["busy_fraction"],
+                "profile_longest_gaps": idle["longest_gaps"],
+            }
+            if idle is not None
+            else {}
+        ),
         "profile_top": [
             {"name": e.key[:120], "ms_per_step": cost(e) / 1e3 / steps, "calls_per_step": e.count / steps}
             for e in rows[:top]
@@ -220,24 +227,31 @@ def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
     }
 
 
-def device_busy_fraction(events: Any) -> float | None:
-    """The share of the window (first kernel start to last kernel end) in which some kernel ran: what is
-    missing is device idle time between kernels (launch gaps, host-bound steps)."""
+def device_idle(events: Any, top: int = 8) -> dict[str, Any] | None:
+    """Device idle time in the window (first kernel start to last kernel end): the share in which some kernel
+    ran, and the longest gaps between kernels with the kernels on either side (launch gaps, host syncs)."""
     from torch.autograd import DeviceType
 
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
         for e in events
         if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start
     )
-    if not spans:
+    if not kernels:
         return None
-    busy, reach = 0.0, spans[0][0]
-    for start, end in spans:
+    busy, reach, before = 0.0, kernels[0][0], kernels[0][2]
+    gaps = []
+    for start, end, name in kernels:
+        if start > reach:
+            gaps.append((start - reach, before, name))
         if end > reach:
             busy += end - max(start, reach)
-            reach = end
-    return busy / (reach - spans[0][0])
+            reach, before = end, name
+    gaps.sort(key=lambda g: g[0], reverse=True)
+    return {
+        "busy_fraction": busy / (reach - kernels[0][0]),
+        "longest_gaps": [{"ms": us / 1e3, "after": a[:80], "before": b[:80]} for us, a, b in gaps[:top]],
+    }
 
 
 def hf_sharing(model: CausalLM) -> Any:
@@ -565,6 +579,8 @@ def print_table(r: dict[str, Any]) -> None:
         )
         for e in r["profile_top"]:
             print(f"  {e['ms_per_step']:8.3f} ms  x{e['calls_per_step']:<6.1f} {e['name'][:90]}")
+        for g in r.get("profile_longest_gaps", []):
+            print(f"  idle {g['ms']:.3f} ms after {g['after'][:50]} before {g['before'][:50]}")
 
 
 if __name__ == "__main__":

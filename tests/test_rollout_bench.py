@@ -52,20 +52,31 @@ def test_bench_rollout_hf_baseline_uses_return_sequences(capsys: pytest.CaptureF
     assert r["speedup_vs_hf"] == pytest.approx(r["output_tokens_per_s"] / r["hf_output_tokens_per_s"])
 
 
-def test_device_busy_fraction_merges_overlapping_kernels() -> None:
+def test_device_idle_merges_overlapping_kernels_and_names_the_gaps() -> None:
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    from miles.rollout.bench import device_busy_fraction
+    from miles.rollout.bench import device_idle
 
-    def event(start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
-        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    def event(start: float, end: float, name: str, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
+        return SimpleNamespace(
+            device_type=device, name=name, time_range=SimpleNamespace(start=start, end=end)
+        )
 
     # Kernels over [0, 4] and [6, 10] (two overlap, one nested); CPU ops and empty spans do not count.
-    kernels = [event(0, 3), event(1, 4), event(6, 10), event(7, 8), event(2, 9, DeviceType.CPU), event(5, 5)]
-    assert device_busy_fraction(kernels) == 0.8
-    assert device_busy_fraction([event(0, 1, DeviceType.CPU)]) is None
+    kernels = [
+        event(0, 3, "a"),
+        event(1, 4, "b"),
+        event(6, 10, "c"),
+        event(7, 8, "d"),
+        event(2, 9, "op", DeviceType.CPU),
+        event(5, 5, "empty"),
+    ]
+    idle = device_idle(kernels)
+    assert idle is not None and idle["busy_fraction"] == 0.8
+    assert idle["longest_gaps"] == [{"ms": 0.002, "after": "b", "before": "c"}]
+    assert device_idle([event(0, 1, "op", DeviceType.CPU)]) is None
 
 
 def test_floor_counts_match_published_qwen3_sizes() -> None:
