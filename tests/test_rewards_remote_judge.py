@@ -53,12 +53,21 @@ class RewardHandler(BaseHTTPRequestHandler):
         pass
 
     def reply(self, status: int, body: str) -> None:
+        # The request stops counting as in flight before its answer goes out: once the client has the answer
+        # it may open the next request, which must not find this one still counted.
+        self.done()
         data = body.encode()
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def done(self) -> None:
+        with self.server.lock:
+            if self.counted:
+                self.counted = False
+                self.server.in_flight -= 1
 
     def do_POST(self) -> None:  # noqa: N802 - the http.server API
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
@@ -69,6 +78,7 @@ class RewardHandler(BaseHTTPRequestHandler):
             self.server.bodies.append(body)
             self.server.in_flight += 1
             self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
+            self.counted = True
         try:
             if action == "ok":
                 self.reply(200, json.dumps({"score": 1.0, "reason": "matched", "echo": body["metadata"]}))
@@ -89,8 +99,7 @@ class RewardHandler(BaseHTTPRequestHandler):
             else:
                 self.reply(500, "unknown action")
         finally:
-            with self.server.lock:
-                self.server.in_flight -= 1
+            self.done()
 
 
 @pytest.fixture
