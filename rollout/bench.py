@@ -235,7 +235,10 @@ def device_idle(events: Any, top: int = 8) -> dict[str, Any] | None:
     kernels = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in events
-        if getattr(e, "device_type", None) == DeviceType.CUDA and e.time_range.end > e.time_range.start
+        # GPU user annotations (e.g. around compiled regions) span several kernels and their gaps.
+        if getattr(e, "device_type", None) == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and e.time_range.end > e.time_range.start
     )
     if not kernels:
         return None

@@ -187,6 +187,8 @@ def sweep(layers: MoeLayers, routed: list, iters: int) -> dict[str, Any]:
         timed = [(ms, cfg) for cfg in sweep_grid() if (ms := time(**{which: cfg})) is not None]
         ranked[which] = sorted(timed, key=lambda t: t[0])
         best[which] = [{"ms_per_layer": ms, "config": vars(cfg)} for ms, cfg in ranked[which][:3]]
+    if not ranked["up_cfg"] or not ranked["down_cfg"]:
+        return best  # no configuration of one kernel ran here
     pairs = {"best pair": (ranked["up_cfg"][0][1], ranked["down_cfg"][0][1])}
     for bm in sorted({cfg.block_m for _, cfg in ranked["up_cfg"]}):
         up = [cfg for _, cfg in ranked["up_cfg"] if cfg.block_m == bm]

@@ -50,12 +50,14 @@ class _Graph:
 
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        # Graph padding rows may write NaN to page 0, which only the flashinfer kernels never read (kv_pool.py).
+        assert runner.backend == "flashinfer", "CUDA-graph decode runs on the flashinfer backend only"
         self.runner, self.max_batch = runner, max_batch
         self.buckets = [b for b in _BUCKETS if b < max_batch] + [max_batch]
         self.graphs: dict[int, _Graph] = {}
 
     def fits(self, batch: ForwardBatch) -> bool:
-        return self.runner.flashinfer is not None and batch.batch_size <= self.max_batch
+        return batch.batch_size <= self.max_batch
 
     def reset(self) -> None:
         self.graphs.clear()

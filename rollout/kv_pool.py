@@ -2,6 +2,9 @@
 
 Slots are token-granular indices into a flat [num_pages * page_size] view; pages are the allocation unit.
 Page 0 is never handed out: padded rows (CUDA-graph buckets, deterministic chunks) write their keys there.
+Graph padding rows skip the MoE experts, so what they write is arbitrary (possibly NaN): page 0 must never be
+read for a real row, not even under a mask (0 * NaN is NaN). flashinfer reads only the pages it is given;
+the torch backend, which gathers slot 0 as masked filler, never runs graphs.
 The allocator keeps free pages in a device tensor and their count on the host, so allocating and freeing
 never synchronise with the device.
 """

@@ -69,7 +69,7 @@ class ModelRunner:
 
             self.flashinfer = FlashinferBackend(model.args, pool, table, model.dtype, flashinfer_kernel)
         self.graphs = None
-        if cuda_graph_max_batch > 0 and pool.device.type == "cuda" and not deterministic:
+        if cuda_graph_max_batch > 0 and self.flashinfer is not None and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, cuda_graph_max_batch)

@@ -456,11 +456,14 @@ def test_engine_moe_decode_runs_the_fused_experts(monkeypatch: pytest.MonkeyPatc
     assert not calls
     monkeypatch.setattr(fused_moe, "experts_forward", counted)
     engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on"))
-    fused_out = engine.generate(PROMPTS, GREEDY)
+    # Graph padding rows skip the experts and may write NaN to page 0; no real request may read it.
+    engine.pool.k_cache[:, 0] = float("nan")  # type: ignore[index]
+    engine.pool.v_cache[:, 0] = float("nan")  # type: ignore[index]
+    fused_out = engine.generate(PROMPTS, GREEDY)  # 5 requests: graph bucket 8, so 3 padding rows
     assert calls and fused_moe.available()
     assert_agree_until_near_tie(model, grouped_out, fused_out, logprob_tol=0.05, near_tie=0.5)
-    # The fused router still records each token's experts for routing replay.
-    routed = engine.generate(PROMPTS[:2], GREEDY.with_(return_routing=True, max_new_tokens=8))
+    # The fused router still records each token's experts for routing replay (3 requests: 1 padding row).
+    routed = engine.generate(PROMPTS[:3], GREEDY.with_(return_routing=True, max_new_tokens=8))
     for sample in routed:
         assert sample.routed_experts is not None and len(sample.routed_experts) == len(sample.prompt_ids) + 7
         assert all(
@@ -473,6 +476,31 @@ def test_engine_moe_decode_runs_the_fused_experts(monkeypatch: pytest.MonkeyPatc
             for layer in token
             for e in layer
         )
+
+
+def test_padding_rows_get_an_expert_when_the_fused_experts_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the Triton experts fail after the fused router gave padding rows id E, the grouped experts run
+    with those rows clamped to a real expert; the real rows come out as the eager block's."""
+    from miles.models import fused, fused_moe
+    from miles.models.moe import RoutingTrace, SparseMoeBlock
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("no Triton experts here")
+
+    block = gpu_model(moe=True, seed=8).model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = torch.randn(12, block.gate.in_features, device="cuda", dtype=torch.bfloat16)
+    real = 9
+    with torch.no_grad():
+        reference = block(x[:real], RoutingTrace())  # eager router, grouped experts
+    with torch.no_grad(), fused.fused_kernels():
+        monkeypatch.setattr(fused_moe, "experts_forward", broken)
+        monkeypatch.setattr(fused_moe, "_disabled", False)
+        trace = RoutingTrace(valid_rows=torch.tensor([real], dtype=torch.int32, device="cuda"))
+        out = block(x, trace)
+    assert fused_moe._disabled, "the failure turned the fused kernels off"
+    assert (trace.recorded[0][real:] == block.num_experts).all()
+    torch.testing.assert_close(out[:real], reference)  # bf16 tolerance: the routers' exp may round apart
 
 
 def test_bench_moe_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,7 +60,7 @@ def qk_norm_rope(
     sin: torch.Tensor,
 ) -> torch.Tensor:
     """`rms_norm_rope` of q and of k, over their heads side by side ([N, Hq + Hk, D], as the fused QKV
-    projection lays them out): one kernel where two were, the same arithmetic per element."""
+    projection lays them out): one compiled call where two were, the same arithmetic per element."""
     heads, dim = qk.shape[1], qk.shape[2]
     weight = torch.cat((q_weight.expand(num_q_heads, dim), k_weight.expand(heads - num_q_heads, dim)))
     return rms_norm_rope(qk, weight, eps, cos, sin)

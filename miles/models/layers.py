@@ -99,7 +99,6 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         if self.q_norm is not None:
-            assert self.k_norm is not None and self.q_norm.eps == self.k_norm.eps
             qk = fused.call(
                 fused.qk_norm_rope,
                 qk,

@@ -63,20 +63,22 @@ class SparseMoeBlock(nn.Module):
     ) -> torch.Tensor:
         """The layer's output for x, plus `residual` when given (added in the same kernel as the sum over
         the top-k slots on the fused path)."""
-        weights, chosen = self.route(self.gate(x), routing, x)
+        weights, chosen, padding_unrouted = self.route(self.gate(x), routing, x)
         slots = self.experts.forward_slots(x, chosen, weights)
         if slots is not None:
             return slots.sum(dim=1) if residual is None else fused.call(fused.add_slot_sum, residual, slots)
-        if routing is not None and routing.valid_rows is not None:
-            # The fused router ran but its experts failed to compile: give padding rows a real expert.
+        if (
+            padding_unrouted
+        ):  # the fused experts failed after the fused router ran: give padding rows an expert
             chosen = chosen.clamp(max=self.num_experts - 1)
         out = self.experts(x, chosen, weights)
         return out if residual is None else residual + out
 
     def route(
         self, router_logits: torch.Tensor, routing: RoutingTrace | None, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gating weights [N, k] in x's dtype, expert ids [N, k])."""
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(gating weights [N, k] in x's dtype, expert ids [N, k], whether padding rows got id E: the fused
+        router with `routing.valid_rows` set)."""
         if (routing is None or routing.replay is None) and self.experts.fused(x, x.shape[0] * self.top_k):
             try:
                 valid = routing.valid_rows if routing is not None else None
@@ -90,7 +92,7 @@ class SparseMoeBlock(nn.Module):
             else:
                 if routing is not None and routing.record:
                     routing.recorded.append(chosen)
-                return weights, chosen
+                return weights, chosen, valid is not None
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         if routing is None:
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -99,7 +101,7 @@ class SparseMoeBlock(nn.Module):
             weights = probs.gather(-1, chosen)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), chosen
+        return weights.to(x.dtype), chosen, False
 
 
 # Above this many (token, slot) pairs per expert the GEMMs turn compute-bound (prefill), where the grouped
