@@ -67,9 +67,8 @@ class SparseMoeBlock(nn.Module):
         slots = self.experts.forward_slots(x, chosen, weights)
         if slots is not None:
             return slots.sum(dim=1) if residual is None else fused.call(fused.add_slot_sum, residual, slots)
-        if (
-            padding_unrouted
-        ):  # the fused experts failed after the fused router ran: give padding rows an expert
+        if padding_unrouted:
+            # The fused experts failed after the fused router ran: give padding rows a real expert.
             chosen = chosen.clamp(max=self.num_experts - 1)
         out = self.experts(x, chosen, weights)
         return out if residual is None else residual + out
@@ -120,11 +119,9 @@ class Experts(nn.Module):
         not depend on how many other tokens chose the same expert (the engine's deterministic mode)."""
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice."""
+        """x: [N, H]; chosen/weights: [N, k]. Tokens are sorted by expert so each expert sees one slice.
+        (The fused Triton path is `forward_slots`, which `SparseMoeBlock` tries first.)"""
         n, k = chosen.shape
-        slots = self.forward_slots(x, chosen, weights)
-        if slots is not None:
-            return slots.sum(dim=1)
         flat_expert = chosen.reshape(-1)
         # A radix sort makes one pass per key byte: int16 ids sort in 2 passes instead of int64's 8.
         narrow = (
