@@ -124,6 +124,67 @@ def add_breakdown(engine: Engine, totals: dict[str, float]) -> None:
     timed(engine, "step", "step_total", False)
 
 
+def record_decode_steps(engine: Engine, steps: list[tuple[int, int, float, float]]) -> None:
+    """Append (batch, attended tokens, wall s, s the host waited for the device) of every pure decode step,
+    read from the engine's counters."""
+    inner = engine.step
+
+    def step() -> list[Any]:
+        st = engine.stats
+        before = (st.decode_steps, st.decode_tokens, st.decode_kv_tokens, st.decode_s, st.device_wait_s)
+        out = inner()
+        if st.decode_steps > before[0]:
+            steps.append(
+                (
+                    st.decode_tokens - before[1],
+                    st.decode_kv_tokens - before[2],
+                    st.decode_s - before[3],
+                    st.device_wait_s - before[4],
+                )
+            )
+        return out
+
+    engine.step = step  # type: ignore[method-assign]
+
+
+_BATCH_BINS = (1, 64, 128, 256, 384, 512, 640, 768, 1024, 1 << 30)
+
+
+def decode_by_batch(
+    steps: list[tuple[int, int, float, float]], args: ModelArgs, dtype: torch.dtype, bandwidth: float
+) -> list[dict[str, float]]:
+    """Decode steps grouped by batch size: ms per step against the bytes roofline at that batch and context.
+
+    With overlap scheduling a step's wall time is the device's step time as long as the host keeps ahead,
+    which `host_ms_per_step` (the step's wall time minus its wait for the device) shows: near the step time,
+    the host sets the pace. So this says where in a run (which wave, which batch) the distance to the
+    roofline is, and whether it is the host's, without a profiler."""
+    kv_bytes = KVLayout.for_model(args, dtype, 1).bytes_per_token
+    rows = []
+    for lo, hi in zip(_BATCH_BINS, _BATCH_BINS[1:]):
+        sel = [s for s in steps if lo <= s[0] < hi]
+        if not sel:
+            continue
+        batch = sum(s[0] for s in sel) / len(sel)
+        kv = sum(s[1] for s in sel) / len(sel)
+        ms = 1e3 * sum(s[2] for s in sel) / len(sel)
+        host_ms = ms - 1e3 * sum(s[3] for s in sel) / len(sel)
+        roof_ms = 1e3 * (decode_weight_bytes(args, dtype, batch) + kv * kv_bytes) / bandwidth
+        rows.append(
+            {
+                "batch_lo": lo,
+                "steps": len(sel),
+                "avg_batch": batch,
+                "avg_context": kv / batch,
+                "ms_per_step": ms,
+                "host_ms_per_step": host_ms,
+                "roofline_ms_per_step": roof_ms,
+                "pct_of_roofline": 100 * roof_ms / ms,
+            }
+        )
+    return rows
+
+
 class StepProfiler:
     """torch.profiler over a window of engine steps (by default well into decode, after the prompts are in).
 
@@ -389,6 +450,8 @@ def main(argv: list[str]) -> int:
     breakdown: dict[str, float] = {}
     if a.breakdown:
         add_breakdown(engine, breakdown)
+    decode_steps: list[tuple[int, int, float, float]] = []
+    record_decode_steps(engine, decode_steps)
     profile_report: dict[str, Any] = {}
     profiler = StepProfiler(engine, a, profile_report) if a.profile else None
     if on_gpu:
@@ -466,6 +529,7 @@ def main(argv: list[str]) -> int:
             decode_pct_of_roofline=100 * decode_rate * floor_s / stats.decode_tokens,
             flop_floor_output_tokens_per_s=stats.decode_tokens / flop_s,
             decode_pct_of_bytes_or_flops_floor=100 * decode_rate * max(floor_s, flop_s) / stats.decode_tokens,
+            decode_by_batch=decode_by_batch(decode_steps, args, dtype, bandwidth),
         )
     if breakdown:
         result["breakdown_s"] = breakdown
@@ -555,6 +619,15 @@ def print_table(r: dict[str, Any]) -> None:
             (
                 "decode serial floor tok/s (% reached)",
                 f"{r['serial_floor_output_tokens_per_s']:,.0f} ({r['decode_pct_of_serial_floor']:.0f}%)",
+            )
+        )
+    for b in r.get("decode_by_batch", []):
+        rows.append(
+            (
+                f"  decode steps at batch ~{b['avg_batch']:.0f}",
+                f"{b['steps']} x {b['ms_per_step']:.2f} ms (host {b['host_ms_per_step']:.2f}), "
+                f"context {b['avg_context']:.0f}, "
+                f"roofline {b['roofline_ms_per_step']:.2f} ms ({b['pct_of_roofline']:.0f}%)",
             )
         )
     if "breakdown_s" in r:

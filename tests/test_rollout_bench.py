@@ -128,3 +128,40 @@ def test_bench_profile_window_past_the_end_of_the_run(
     (tmp_path / "c").write_text("a file")
     with pytest.raises(FileExistsError):  # refused before the run, not after it
         bench.main([*argv, "--device", "cpu", "--profile", str(tmp_path / "c")])
+
+
+def test_decode_by_batch_bins_steps_and_compares_each_bin_to_its_roofline() -> None:
+    args = preset_args(None, "qwen3-8b")
+    bw = 4.0e12
+    # Two waves: 3 steps at batch 700 (context 800), 2 at batch 300 (context 900).
+    steps = [(700, 700 * 800, 0.040, 0.001)] * 3 + [(300, 300 * 900, 0.020, 0.015)] * 2
+    rows = bench.decode_by_batch(steps, args, torch.bfloat16, bw)
+    assert [(r["batch_lo"], r["steps"]) for r in rows] == [(256, 2), (640, 3)]
+    kv_per_token = 36 * 8 * 128 * 2 * 2  # layers x kv heads x head_dim x (k, v) x bf16
+    low = rows[0]
+    assert low["avg_batch"] == 300 and low["avg_context"] == 900 and low["ms_per_step"] == pytest.approx(20.0)
+    assert low["host_ms_per_step"] == pytest.approx(5.0) and rows[1]["host_ms_per_step"] == pytest.approx(
+        39.0
+    )
+    roof = 1e3 * (decode_weight_bytes(args, torch.bfloat16, 300) + 300 * 900 * kv_per_token) / bw
+    assert low["roofline_ms_per_step"] == pytest.approx(roof)
+    assert low["pct_of_roofline"] == pytest.approx(100 * roof / 20.0)
+
+
+def test_record_decode_steps_feeds_decode_by_batch() -> None:
+    from miles.config import RolloutConfig
+    from miles.rollout.engine import Engine
+    from miles.rollout.params import SamplingParams
+
+    from rollout_helpers import tiny_model
+
+    model = tiny_model()
+    engine = Engine(model, None, RolloutConfig(backend="torch", max_running_requests=8))
+    steps: list[tuple[int, int, float, float]] = []
+    bench.record_decode_steps(engine, steps)
+    engine.generate([[1, 2, 3]] * 6, SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0))
+    assert steps and sum(s[0] for s in steps) == engine.stats.decode_tokens
+    assert all(s[2] >= s[3] >= 0 for s in steps)
+    rows = bench.decode_by_batch(steps, model.args, torch.float32, 1e12)
+    assert sum(r["steps"] for r in rows) == len(steps)
+    assert all(0 <= r["host_ms_per_step"] <= r["ms_per_step"] for r in rows)
