@@ -276,6 +276,9 @@ def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
         **(
             {
                 "profile_device_busy_fraction": idle["busy_fraction"],
+                "profile_short_gaps_per_step": idle["short_gaps"] / steps,
+                "profile_short_gap_ms_per_step": idle["short_gaps_ms"] / steps,
+                "profile_long_gap_ms_per_step": idle["long_gaps_ms"] / steps,
                 "profile_longest_gaps": idle["longest_gaps"],
             }
             if idle is not None
@@ -288,9 +291,15 @@ def profile_summary(prof: Any, steps: int, top: int = 25) -> dict[str, Any]:
     }
 
 
+_SHORT_GAP_US = 20.0
+"""Gaps shorter than this are kernel boundaries (one kernel draining, the next one starting, inside a CUDA
+graph or a queue the host keeps full); longer ones are the device waiting for the host."""
+
+
 def device_idle(events: Any, top: int = 8) -> dict[str, Any] | None:
     """Device idle time in the window (first kernel start to last kernel end): the share in which some kernel
-    ran, and the longest gaps between kernels with the kernels on either side (launch gaps, host syncs)."""
+    ran, the idle time in short gaps (kernel boundaries) and in long ones, and the longest gaps with the
+    kernels on either side (launch gaps, host syncs)."""
     from torch.autograd import DeviceType
 
     kernels = sorted(
@@ -312,8 +321,12 @@ def device_idle(events: Any, top: int = 8) -> dict[str, Any] | None:
             busy += end - max(start, reach)
             reach, before = end, name
     gaps.sort(key=lambda g: g[0], reverse=True)
+    short = [g[0] for g in gaps if g[0] < _SHORT_GAP_US]
     return {
         "busy_fraction": busy / (reach - kernels[0][0]),
+        "short_gaps": len(short),
+        "short_gaps_ms": sum(short) / 1e3,
+        "long_gaps_ms": (sum(g[0] for g in gaps) - sum(short)) / 1e3,
         "longest_gaps": [{"ms": us / 1e3, "after": a[:80], "before": b[:80]} for us, a, b in gaps[:top]],
     }
 
@@ -648,7 +661,9 @@ def print_table(r: dict[str, Any]) -> None:
             f"profiled: {r['profile_ms_per_step']:.2f} ms of kernels per step of {r['profile_wall_ms_per_step']:.2f} "
             "ms (profiler on)"
             + (
-                f", device busy {100 * r['profile_device_busy_fraction']:.0f}% of the window"
+                f", device busy {100 * r['profile_device_busy_fraction']:.0f}% of the window; idle per step "
+                f"{r['profile_short_gap_ms_per_step']:.2f} ms in {r['profile_short_gaps_per_step']:.0f} gaps "
+                f"< {_SHORT_GAP_US:.0f} us, {r['profile_long_gap_ms_per_step']:.2f} ms in longer ones"
                 if "profile_device_busy_fraction" in r
                 else ""
             )

@@ -76,6 +76,14 @@ def test_device_idle_merges_overlapping_kernels_and_names_the_gaps() -> None:
     idle = device_idle(kernels)
     assert idle is not None and idle["busy_fraction"] == 0.8
     assert idle["longest_gaps"] == [{"ms": 0.002, "after": "b", "before": "c"}]
+    assert (idle["short_gaps"], idle["short_gaps_ms"], idle["long_gaps_ms"]) == (1, 0.002, 0.0)
+    # A 30 us wait for the host counts as a long gap, the 2 us boundary as a short one.
+    idle = device_idle([*kernels, event(40, 41, "e")])
+    assert idle is not None and (idle["short_gaps"], idle["short_gaps_ms"], idle["long_gaps_ms"]) == (
+        1,
+        0.002,
+        0.03,
+    )
     assert device_idle([event(0, 1, "op", DeviceType.CPU)]) is None
 
 
