@@ -157,11 +157,11 @@ def test_decode_by_batch_bins_steps_and_compares_each_bin_to_its_roofline() -> N
 
 
 def test_record_decode_steps_feeds_decode_by_batch() -> None:
+    from rollout_helpers import tiny_model
+
     from miles.config import RolloutConfig
     from miles.rollout.engine import Engine
     from miles.rollout.params import SamplingParams
-
-    from rollout_helpers import tiny_model
 
     model = tiny_model()
     engine = Engine(model, None, RolloutConfig(backend="torch", max_running_requests=8))
