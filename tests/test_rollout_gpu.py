@@ -355,6 +355,31 @@ def test_fused_router_keeps_nan_rows_in_range() -> None:
     assert weights[[1, 4]].isnan().all() and not weights[[0, 2, 3, 5]].isnan().any()
 
 
+@pytest.mark.parametrize(("tokens", "hq", "hk", "dim"), [(523, 32, 4, 128), (37, 16, 8, 64), (1, 6, 2, 128)])
+def test_qk_norm_rope_kernel_matches_the_eager_functions(tokens: int, hq: int, hk: int, dim: int) -> None:
+    """The Triton q/k norm+RoPE on a strided view of the QKV output (as the attention layer passes it) against
+    the eager functions: the roundings are eager's, so only the float32 sum order of the norm differs (one
+    rounding step, on a few elements)."""
+    dtype = torch.bfloat16
+    from miles.models import fused, fused_norm_rope
+
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, device="cuda", dtype=dtype) * 3
+    qk = qkv[:, : (hq + hk) * dim].view(tokens, hq + hk, dim)
+    wq, wk = torch.randn(dim, device="cuda", dtype=dtype), torch.randn(dim, device="cuda", dtype=dtype)
+    angle = torch.rand(tokens, dim, device="cuda") * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    with torch.no_grad(), fused.fused_kernels():
+        assert fused_norm_rope.applies(qk)
+        got = fused_norm_rope.qk_norm_rope_kernel(qk, wq, wk, hq, 1e-6, cos, sin)
+    ref = fused.qk_norm_rope(qk, wq, wk, hq, 1e-6, cos, sin)
+    diff = (got.float() - ref.float()).abs()
+    # One rounding step of a RoPE term, relative to the head's largest value (the sum may cancel).
+    assert (diff <= 4 * 2.0**-7 * ref.float().abs().amax(-1, keepdim=True)).all(), float(diff.max())
+    # A cast to bf16 and back instead of the bit rounding differed on ~16 % of the elements.
+    assert float((diff > 0).float().mean()) < 1e-3
+
+
 def test_fused_moe_skips_padding_rows() -> None:
     """Rows from `valid_rows` on (CUDA-graph padding) get expert id E and weight 0, and the experts compute
     nothing for them; the real rows come out exactly as without the padding."""

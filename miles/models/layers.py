@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from miles.models import fused
+from miles.models import fused, fused_norm_rope
 from miles.models.args import ModelArgs
 from miles.models.attention import AttentionContext
 
@@ -99,8 +99,8 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         if self.q_norm is not None:
-            qk = fused.call(
-                fused.qk_norm_rope,
+            assert self.k_norm is not None and self.q_norm.eps == self.k_norm.eps
+            qk = fused_norm_rope.qk_norm_rope(
                 qk,
                 self.q_norm.weight,
                 self.k_norm.weight,
