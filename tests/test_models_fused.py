@@ -78,3 +78,16 @@ def test_an_input_error_is_raised_and_keeps_fusion_on(monkeypatch: pytest.Monkey
     with fused.fused_kernels(), pytest.raises(RuntimeError):
         fused.call(fused.silu_mul, torch.randn(3, 4), torch.randn(5, 4))  # eager fails as well
     assert not fused._failed
+
+
+def test_qk_norm_rope_dispatch_falls_back_off_cuda() -> None:
+    """The Triton q/k kernel is for the engine's bf16 CUDA forwards; elsewhere the same function runs."""
+    from miles.models import fused_norm_rope
+
+    qk = torch.randn(3, 6, 16, dtype=torch.bfloat16)
+    wq, wk = torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+    cos, sin = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), fused.fused_kernels(False):
+        assert not fused_norm_rope.applies(qk)
+        out = fused_norm_rope.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin)
+    assert torch.equal(out, fused.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin))
