@@ -125,18 +125,18 @@ def add_breakdown(engine: Engine, totals: dict[str, float]) -> None:
 
 
 def record_decode_steps(engine: Engine, steps: list[tuple[int, int, float, float]]) -> None:
-    """Append (batch, attended tokens, wall s, s the host waited for the device) of every pure decode step,
-    read from the engine's counters."""
+    """Append (batch, attended tokens, wall s, s the host waited for the device) of every pure decode step
+    (steps that also prefill are left out, as from `decode_s`), read from the engine's counters."""
     inner = engine.step
 
     def step() -> list[Any]:
         st = engine.stats
-        before = (st.decode_steps, st.decode_tokens, st.decode_kv_tokens, st.decode_s, st.device_wait_s)
+        before = (st.decode_steps, st.decode_step_tokens, st.decode_kv_tokens, st.decode_s, st.device_wait_s)
         out = inner()
         if st.decode_steps > before[0]:
             steps.append(
                 (
-                    st.decode_tokens - before[1],
+                    st.decode_step_tokens - before[1],
                     st.decode_kv_tokens - before[2],
                     st.decode_s - before[3],
                     st.device_wait_s - before[4],
@@ -169,7 +169,9 @@ def decode_by_batch(
         kv = sum(s[1] for s in sel) / len(sel)
         ms = 1e3 * sum(s[2] for s in sel) / len(sel)
         host_ms = ms - 1e3 * sum(s[3] for s in sel) / len(sel)
-        roof_ms = 1e3 * (decode_weight_bytes(args, dtype, batch) + kv * kv_bytes) / bandwidth
+        # Per step, then averaged: the MoE experts a step touches grow less than linearly with its batch.
+        roof_ms = 1e3 * sum(decode_weight_bytes(args, dtype, s[0]) + s[1] * kv_bytes for s in sel)
+        roof_ms /= len(sel) * bandwidth
         rows.append(
             {
                 "batch_lo": lo,
@@ -508,7 +510,8 @@ def main(argv: list[str]) -> int:
         "decode_s": stats.decode_s,
         "decode_steps": stats.decode_steps,
         "device_wait_s": stats.device_wait_s,
-        "decode_tokens_per_s": stats.decode_tokens / stats.decode_s if stats.decode_s else 0.0,
+        # Pure decode steps only: the decode rows of steps that also prefill are timed with the prefill.
+        "decode_tokens_per_s": stats.decode_step_tokens / stats.decode_s if stats.decode_s else 0.0,
         "preemptions": stats.preemptions,
         "dropped_rows": stats.dropped_rows,
         "speculative": a.speculative,
@@ -520,28 +523,29 @@ def main(argv: list[str]) -> int:
     }
     if on_gpu and stats.decode_steps:
         bandwidth = measure_copy_bandwidth(device) if engine.pool.allocated else 4.3e12
-        avg_batch = stats.decode_tokens / stats.decode_steps
+        decoded = stats.decode_step_tokens
+        avg_batch = decoded / stats.decode_steps
         kv_bytes = KVLayout.for_model(args, dtype, 1).bytes_per_token
-        context = stats.decode_kv_tokens / max(stats.decode_tokens, 1)
+        context = stats.decode_kv_tokens / max(decoded, 1)
         weight_s = stats.decode_steps * decode_weight_bytes(args, dtype, avg_batch) / bandwidth
         kv_s = stats.decode_kv_tokens * kv_bytes / bandwidth
-        gemm_flop_s = stats.decode_tokens * decode_flops_per_token(args, 0.0) / a.peak_flops
-        flop_s = stats.decode_tokens * decode_flops_per_token(args, context) / a.peak_flops
+        gemm_flop_s = decoded * decode_flops_per_token(args, 0.0) / a.peak_flops
+        flop_s = decoded * decode_flops_per_token(args, context) / a.peak_flops
         floor_s = weight_s + kv_s
         # Layer by layer the GEMMs (compute-bound at large batch) and the attention (bandwidth-bound) run one
         # after the other, so each is floored by its own bytes or FLOPs, whichever takes longer.
         serial_s = max(weight_s, gemm_flop_s) + max(kv_s, flop_s - gemm_flop_s)
         decode_rate = result["decode_tokens_per_s"]
         result.update(
-            serial_floor_output_tokens_per_s=stats.decode_tokens / serial_s,
-            decode_pct_of_serial_floor=100 * decode_rate * serial_s / stats.decode_tokens,
+            serial_floor_output_tokens_per_s=decoded / serial_s,
+            decode_pct_of_serial_floor=100 * decode_rate * serial_s / decoded,
             copy_bandwidth_bytes_per_s=bandwidth,
             avg_decode_batch=avg_batch,
             avg_decode_context=context,
-            roofline_output_tokens_per_s=stats.decode_tokens / floor_s,
-            decode_pct_of_roofline=100 * decode_rate * floor_s / stats.decode_tokens,
-            flop_floor_output_tokens_per_s=stats.decode_tokens / flop_s,
-            decode_pct_of_bytes_or_flops_floor=100 * decode_rate * max(floor_s, flop_s) / stats.decode_tokens,
+            roofline_output_tokens_per_s=decoded / floor_s,
+            decode_pct_of_roofline=100 * decode_rate * floor_s / decoded,
+            flop_floor_output_tokens_per_s=decoded / flop_s,
+            decode_pct_of_bytes_or_flops_floor=100 * decode_rate * max(floor_s, flop_s) / decoded,
             decode_by_batch=decode_by_batch(decode_steps, args, dtype, bandwidth),
         )
     if breakdown:

@@ -63,6 +63,9 @@ class EngineStats:
     """Wall time of steps that computed any prefill chunk."""
     decode_s: float = 0.0
     """Wall time of pure decode steps."""
+    decode_step_tokens: int = 0
+    """Tokens computed in pure decode steps (`decode_tokens` also counts the decode rows of mixed steps,
+    whose time is in `prefill_s`): with `decode_s` and `decode_kv_tokens`, the decode rate and roofline."""
     decode_kv_tokens: int = 0
     """Sum over decode steps of the tokens attended (for the decode roofline)."""
     peak_used_tokens: int = 0
@@ -333,6 +336,7 @@ class Engine:
             if plan.is_decode:
                 self.stats.decode_steps += 1
                 self.stats.decode_s += elapsed
+                self.stats.decode_step_tokens += sum(c.length for c in plan.chunks)
                 self.stats.decode_kv_tokens += sum(c.start + c.length for c in plan.chunks)
             else:
                 self.stats.prefill_s += elapsed

@@ -80,14 +80,30 @@ def test_an_input_error_is_raised_and_keeps_fusion_on(monkeypatch: pytest.Monkey
     assert not fused._failed
 
 
-def test_qk_norm_rope_dispatch_falls_back_off_cuda() -> None:
-    """The Triton q/k kernel is for the engine's bf16 CUDA forwards; elsewhere the same function runs."""
+def test_qk_norm_rope_dispatch_off_cuda_and_the_layouts_the_kernel_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Triton q/k kernel takes the attention layer's own bf16 tensors (else the engine would silently run
+    the compiled function); off CUDA the compiled function runs."""
+    from rollout_helpers import tiny_model
+
     from miles.models import fused_norm_rope
 
-    qk = torch.randn(3, 6, 16, dtype=torch.bfloat16)
-    wq, wk = torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
-    cos, sin = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(3, 16, dtype=torch.bfloat16)
-    with torch.no_grad(), fused.fused_kernels(False):
-        assert not fused_norm_rope.applies(qk)
-        out = fused_norm_rope.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin)
-    assert torch.equal(out, fused.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin))
+    model = tiny_model().to(torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    n, heads, dim = 5, attn.num_heads + attn.num_kv_heads, attn.head_dim
+    qkv = torch.randn(n, (heads + attn.num_kv_heads) * dim, dtype=torch.bfloat16)
+    qk = qkv[:, : heads * dim].view(n, heads, dim)  # a strided view, as the layer passes it
+    cos, sin = model.model.rotary_emb(torch.arange(n), torch.bfloat16)
+    wq, wk = attn.q_norm.weight, attn.k_norm.weight
+    assert fused_norm_rope.shapes_fit(qk, wq, wk, cos, sin)
+    assert not fused_norm_rope.shapes_fit(qk, wq, wk, cos.float(), sin)
+    assert not fused_norm_rope.shapes_fit(qk, wq, wk, cos[:1], sin[:1])
+    assert not fused_norm_rope.shapes_fit(qk[..., :12], wq[:12], wk[:12], cos[:, :12], sin[:, :12])  # half 6
+    calls = []
+    monkeypatch.setattr(fused, "call", lambda fn, *args: calls.append(fn) or fn(*args))
+    with torch.no_grad(), fused.fused_kernels():
+        assert not fused_norm_rope.applies(qk, wq, wk, cos, sin)
+        out = fused_norm_rope.qk_norm_rope(qk, wq, wk, attn.num_heads, attn.q_norm.eps, cos, sin)
+    assert calls == [fused.qk_norm_rope]
+    assert torch.equal(out, fused.qk_norm_rope(qk, wq, wk, attn.num_heads, attn.q_norm.eps, cos, sin))

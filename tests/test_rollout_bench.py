@@ -12,6 +12,7 @@ import torch
 from miles.models.presets import preset_args
 from miles.rollout import bench, bench_layers
 from miles.rollout.bench import decode_flops_per_token, decode_weight_bytes
+from miles.rollout.kv_pool import KVLayout
 
 
 def run_bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -157,6 +158,8 @@ def test_decode_by_batch_bins_steps_and_compares_each_bin_to_its_roofline() -> N
 
 
 def test_record_decode_steps_feeds_decode_by_batch() -> None:
+    """Only pure decode steps are recorded (as in `decode_s`); a tight token budget mixes decode rows into
+    prefill steps, which `decode_tokens` counts and the decode rate must not."""
     from rollout_helpers import tiny_model
 
     from miles.config import RolloutConfig
@@ -164,12 +167,30 @@ def test_record_decode_steps_feeds_decode_by_batch() -> None:
     from miles.rollout.params import SamplingParams
 
     model = tiny_model()
-    engine = Engine(model, None, RolloutConfig(backend="torch", max_running_requests=8))
+    cfg = RolloutConfig(backend="torch", max_running_requests=8, max_batch_tokens=64)
+    engine = Engine(model, None, cfg)
     steps: list[tuple[int, int, float, float]] = []
     bench.record_decode_steps(engine, steps)
-    engine.generate([[1, 2, 3]] * 6, SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0))
-    assert steps and sum(s[0] for s in steps) == engine.stats.decode_tokens
+    prompts = [[1 + i, 2, 3] * 13 for i in range(6)]  # 39 tokens each: one prefill per step
+    engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0))
+    st = engine.stats
+    assert st.decode_step_tokens < st.decode_tokens, "the budget was meant to mix decodes into prefills"
+    assert len(steps) == st.decode_steps and sum(s[0] for s in steps) == st.decode_step_tokens
+    assert sum(s[1] for s in steps) == st.decode_kv_tokens
     assert all(s[2] >= s[3] >= 0 for s in steps)
     rows = bench.decode_by_batch(steps, model.args, torch.float32, 1e12)
     assert sum(r["steps"] for r in rows) == len(steps)
     assert all(0 <= r["host_ms_per_step"] <= r["ms_per_step"] for r in rows)
+
+
+def test_decode_by_batch_averages_the_moe_roofline_per_step() -> None:
+    """The experts a step touches grow less than linearly with its batch: a bin's roofline is the mean of its
+    steps', not the roofline at the bin's mean batch."""
+    args = preset_args(None, "qwen3-30b-a3b")
+    steps = [(1, 500, 0.01, 0.0), (63, 63 * 500, 0.01, 0.0)]
+    (row,) = bench.decode_by_batch(steps, args, torch.bfloat16, 4e12)
+    kv = KVLayout.for_model(args, torch.bfloat16, 1).bytes_per_token
+    per_step = [decode_weight_bytes(args, torch.bfloat16, b) + t * kv for b, t, _, _ in steps]
+    assert row["roofline_ms_per_step"] == pytest.approx(1e3 * sum(per_step) / 2 / 4e12)
+    at_mean_batch = 1e3 * (decode_weight_bytes(args, torch.bfloat16, 32) + 32 * 500 * kv) / 4e12
+    assert row["roofline_ms_per_step"] < 0.95 * at_mean_batch

@@ -220,8 +220,8 @@ def test_overlap_schedule_on_cuda_matches_the_plain_loop() -> None:
     assert dropped["off"] == 0 and dropped["on"] > 0, "early stops were meant to run a dropped row"
 
 
-def test_fused_kernels_match_the_eager_ones() -> None:
-    from miles.models import fused
+def test_fused_kernels_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.models import fused, fused_norm_rope
 
     torch.manual_seed(0)
     x = torch.randn(37, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -250,9 +250,16 @@ def test_fused_kernels_match_the_eager_ones() -> None:
     )
     engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on"))
     assert engine.runner.fused_kernels
+    kernel_calls = []
+    kernel = fused_norm_rope.qk_norm_rope_kernel
+    monkeypatch.setattr(
+        fused_norm_rope, "qk_norm_rope_kernel", lambda *args: kernel_calls.append(1) or kernel(*args)
+    )
     assert_agree_until_near_tie(
         model, eager_out, engine.generate(PROMPTS, GREEDY), logprob_tol=0.05, near_tie=0.5
     )
+    # The engine's forwards (eager prefill, graph-captured decode) took the q/k Triton kernel and kept it.
+    assert kernel_calls and not fused_norm_rope._disabled
 
 
 def test_speculative_decoding_on_cuda_matches_plain_decoding() -> None:
@@ -370,7 +377,7 @@ def test_qk_norm_rope_kernel_matches_the_eager_functions(tokens: int, hq: int, h
     angle = torch.rand(tokens, dim, device="cuda") * 6.3
     cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     with torch.no_grad(), fused.fused_kernels():
-        assert fused_norm_rope.applies(qk)
+        assert fused_norm_rope.applies(qk, wq, wk, cos, sin)
         got = fused_norm_rope.qk_norm_rope_kernel(qk, wq, wk, hq, 1e-6, cos, sin)
     ref = fused.qk_norm_rope(qk, wq, wk, hq, 1e-6, cos, sin)
     diff = (got.float() - ref.float()).abs()

@@ -87,7 +87,26 @@ if triton is not None:
         tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def applies(qk: torch.Tensor) -> bool:
+def shapes_fit(
+    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """The layout the kernel assumes: bf16 throughout, unit stride along the head dim, half a head a power of
+    two, weights [D], cos/sin [N, D] (the eager function would promote or broadcast others)."""
+    num_tokens, dim = qk.shape[0], qk.shape[-1]
+    half = dim // 2
+    return (
+        qk.dtype == torch.bfloat16
+        and qk.stride(-1) == 1
+        and dim % 2 == 0
+        and half & (half - 1) == 0
+        and all(w.dtype == torch.bfloat16 and w.shape == (dim,) for w in (q_weight, k_weight))
+        and all(t.dtype == torch.bfloat16 and t.shape == (num_tokens, dim) for t in (cos, sin))
+    )
+
+
+def applies(
+    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
     """The engine's bf16 forwards on CUDA with fused kernels on (the kernel has no backward; fp16 models take
     the compiled function)."""
     return (
@@ -95,10 +114,8 @@ def applies(qk: torch.Tensor) -> bool:
         and not _disabled
         and fused.enabled()
         and qk.is_cuda
-        and qk.dtype == torch.bfloat16
-        and qk.stride(-1) == 1
-        and qk.shape[-1] % 2 == 0
         and not torch.is_grad_enabled()
+        and shapes_fit(qk, q_weight, k_weight, cos, sin)
     )
 
 
@@ -147,7 +164,7 @@ def qk_norm_rope(
 ) -> torch.Tensor:
     """The Triton kernel where it applies, else `fused.qk_norm_rope` (compiled inside `fused_kernels()`)."""
     global _disabled
-    if applies(qk):
+    if applies(qk, q_weight, k_weight, cos, sin):
         try:
             return qk_norm_rope_kernel(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
         except torch.cuda.OutOfMemoryError:
