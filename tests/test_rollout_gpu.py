@@ -13,10 +13,24 @@ import torch
 from rollout_helpers import tiny_model
 
 from miles.config import RolloutConfig
-from miles.models import CausalLM, ModelArgs
+from miles.models import CausalLM, ModelArgs, fused_norm_rope
 from miles.models.moe import Experts
 from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: these tests are skipped there
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _round_bf16_all(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, fused_norm_rope._round_bf16(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
 
 pytestmark = pytest.mark.gpu
 
@@ -385,6 +399,22 @@ def test_qk_norm_rope_kernel_matches_the_eager_functions(tokens: int, hq: int, h
     assert (diff <= 4 * 2.0**-7 * ref.float().abs().amax(-1, keepdim=True)).all(), float(diff.max())
     # A cast to bf16 and back instead of the bit rounding differed on ~16 % of the elements.
     assert float((diff > 0).float().mean()) < 1e-3
+
+
+def test_bf16_bit_rounding_matches_torch_on_special_values() -> None:
+    """The q/k kernel's rounding helper against torch's bf16 cast: ties, inf, NaN, overflow, subnormals."""
+    torch.manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), dtype=torch.int64).to(torch.int32)
+    exact = torch.randn(4096).bfloat16().float()
+    ties = (exact.view(torch.int32) + 0x8000).view(torch.float32)  # halfway between two bf16 values
+    special = torch.tensor(
+        [float("inf"), -float("inf"), float("nan"), 3.3895314e38, -3.3895314e38, 0.0, -0.0, 1e-40]
+    )
+    x = torch.cat([bits.view(torch.float32), ties, special]).cuda()
+    out = torch.empty_like(x)
+    _round_bf16_all[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    ref = x.bfloat16().float()
+    assert bool(((out == ref) | (out.isnan() & ref.isnan())).all())
 
 
 def test_fused_moe_skips_padding_rows() -> None:
