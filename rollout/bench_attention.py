@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fa2-graph-strided-q": dict(use_tensor_cores=True, backend="fa2", graph=True, strided_q=True),
     "fa2-cuda-core": dict(use_tensor_cores=False),
     "fa3-tensor-core": dict(use_tensor_cores=True, backend="fa3"),
+    # TensorRT-LLM's XQA decode kernel as flashinfer ships it (page size 16, 32, 64 or 128; no plan).
+    "xqa": dict(xqa=True),
 }
 
 
@@ -39,6 +42,55 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=50)
     return p.parse_args(argv)
+
+
+def strided_q_of(name: str) -> bool:
+    return bool(VARIANTS[name].get("strided_q", False))
+
+
+def flashinfer_decode_run(
+    options: dict[str, Any],
+    workspace: torch.Tensor,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    page_size: int,
+    hq: int,
+    hkv: int,
+    d: int,
+) -> Callable[[], torch.Tensor]:
+    """A planned `BatchDecodeWithPagedKVCacheWrapper` as the engine would run it, ready to time."""
+    import flashinfer
+
+    graph = options.pop("graph", False)
+    options.pop("strided_q", None)
+    plan_options = (
+        {"disable_split_kv": options.pop("disable_split_kv")} if "disable_split_kv" in options else {}
+    )
+    if graph:
+        options.update(
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=indptr.to(q.device),
+            paged_kv_indices_buffer=indices.clone(),
+            paged_kv_last_page_len_buffer=last.to(q.device),
+        )
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **options)
+    wrapper.plan(
+        indptr,
+        indices,
+        last,
+        hq,
+        hkv,
+        d,
+        page_size,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        **plan_options,
+    )
+    return lambda: wrapper.run(q, (k, v))
 
 
 def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) -> dict[str, Any]:
@@ -54,37 +106,25 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
     indices = order.to(torch.int32)
     indptr = torch.arange(0, a.batch * pages_per_seq + 1, pages_per_seq, dtype=torch.int32)
     last = torch.full((a.batch,), a.context - (pages_per_seq - 1) * a.page_size, dtype=torch.int32)
-    workspace = torch.empty(1024 * 1024 * 1024, dtype=torch.uint8, device=device)
-    options = dict(VARIANTS[name])
-    graph, strided_q = options.pop("graph", False), options.pop("strided_q", False)
-    plan_options = (
-        {"disable_split_kv": options.pop("disable_split_kv")} if "disable_split_kv" in options else {}
-    )
-    if graph:
-        options.update(
-            use_cuda_graph=True,
-            paged_kv_indptr_buffer=indptr.to(device),
-            paged_kv_indices_buffer=indices.clone(),
-            paged_kv_last_page_len_buffer=last.to(device),
-        )
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **options)
-    wrapper.plan(
-        indptr,
-        indices,
-        last,
-        hq,
-        hkv,
-        d,
-        a.page_size,
-        q_data_type=torch.bfloat16,
-        kv_data_type=torch.bfloat16,
-        **plan_options,
-    )
-    if strided_q:
+    workspace = torch.zeros(1024 * 1024 * 1024, dtype=torch.uint8, device=device)
+    if strided_q_of(name):
         q = torch.randn(a.batch, hq + hkv, d, device=device, dtype=torch.bfloat16)[:, :hq]
     else:
         q = torch.randn(a.batch, hq, d, device=device, dtype=torch.bfloat16)
-    out = wrapper.run(q, (k, v))
+    options = dict(VARIANTS[name])
+    if options.pop("xqa", False):
+        block_tables = indices.view(a.batch, pages_per_seq)
+        seq_lens = torch.full((a.batch,), a.context, dtype=torch.int32, device=device)
+
+        def run() -> torch.Tensor:
+            return flashinfer.decode.xqa_batch_decode_with_kv_cache(
+                q, (k, v), workspace, block_tables, seq_lens, a.context, bmm1_scale=d**-0.5
+            )
+    else:
+        run = flashinfer_decode_run(
+            options, workspace, indptr, indices, last, q, k, v, a.page_size, hq, hkv, d
+        )
+    out = run()
     # Against float32 math on the first sequences (the pages each one reads).
     ref = []
     for b in range(min(4, a.batch)):
@@ -96,7 +136,7 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
         ref.append(torch.einsum("kgt,tkd->kgd", scores.softmax(-1), vb).reshape(hq, d))
     ref_t = torch.stack(ref)
     rel_err = float((out[: len(ref)].float() - ref_t).norm() / ref_t.norm())
-    seconds = median_cuda_seconds(lambda: wrapper.run(q, (k, v)), a.iters)
+    seconds = median_cuda_seconds(run, a.iters)
     kv_bytes = 2 * a.batch * a.context * hkv * d * 2
     return {"variant": name, "seconds": seconds, "kv_bytes_per_s": kv_bytes / seconds, "rel_err": rel_err}
 

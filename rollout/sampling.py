@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models import fused
+from miles.rollout import sampling_triton
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -199,7 +200,8 @@ def _sample_from_block_masses(
     [B, V] float64 weights: the block is drawn from the block totals, then the weights of that one block
     are recomputed from the logits."""
     rows, vocab = logits.shape
-    top, mass = fused.call(block_masses, logits, temperature)
+    masses = sampling_triton.block_masses_or_none(logits, temperature, _CDF_BLOCK)
+    top, mass = masses if masses is not None else fused.call(block_masses, logits, temperature)
     cdf = torch.cumsum(mass, dim=-1)
     total = cdf[:, -1]
     target = uniform[:, None] * total[:, None]

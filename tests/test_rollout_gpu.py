@@ -450,6 +450,7 @@ def test_compiled_sampler_draws_what_the_eager_one_draws() -> None:
     """The engine's unfiltered draw on CUDA with fused kernels (compiled block totals) against the eager
     float64 inverse CDF: same tokens, logprobs to float32 rounding; mixed greedy rows included."""
     from miles.models import fused
+    from miles.rollout import sampling_triton
     from miles.rollout.sampling import SamplingTensors, sample, uniforms
 
     torch.manual_seed(0)
@@ -468,9 +469,33 @@ def test_compiled_sampler_draws_what_the_eager_one_draws() -> None:
     eager = sample(logits, params)
     with fused.fused_kernels():
         compiled = sample(logits, params)
-    assert not fused._failed
+    assert not fused._failed and not sampling_triton._disabled  # the block totals came from the kernel
     assert torch.equal(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampler_block_kernel_matches_the_compiled_totals(dtype: torch.dtype) -> None:
+    """The one-pass Triton block totals against `block_masses` (float64 sums of exp(scaled - max)): the same
+    maximum bit for bit, totals within float32 rounding; blocks of -inf logits count 0, a partial last
+    block and a strided (sliced) logits tensor included."""
+    from miles.rollout import sampling_triton
+    from miles.rollout.sampling import _CDF_BLOCK, block_masses
+
+    torch.manual_seed(0)
+    rows, vocab = 37, 151936
+    wide = (torch.randn(rows, vocab + 64, device="cuda") * 4).to(dtype)
+    logits = wide[:, :vocab]  # row stride vocab + 64
+    logits[3, : 5 * _CDF_BLOCK] = float("-inf")
+    logits[4, 77] = 40.0  # one dominant token: the other blocks' totals underflow towards 0
+    temperature = torch.rand(rows, device="cuda") + 0.5
+    top, mass = sampling_triton.block_masses_kernel(logits, temperature, _CDF_BLOCK)
+    ref_top, ref_mass = block_masses(logits, temperature)
+    assert torch.equal(top, ref_top)
+    assert mass.dtype == torch.float64 and mass.shape == ref_mass.shape
+    assert torch.equal(mass[3, :5], torch.zeros(5, dtype=torch.float64, device="cuda"))
+    # Far below the maximum (40 - m_b ~ 30) the float32 exponent's own rounding, ~30 * 2^-24, dominates.
+    torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-300)
 
 
 def test_fused_moe_layout_groups_pairs_by_expert() -> None:
