@@ -17,6 +17,12 @@ from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
 
 
+def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
+    """A host array on `device` without waiting for the device: a blocking copy would synchronise the stream
+    and stall the host behind the step in flight (overlap scheduling)."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
 class KVManager:
     def __init__(self, pool: KVPool, table: RequestTable, tree: RadixCache | None) -> None:
         self.pool, self.table, self.tree = pool, table, tree
@@ -72,8 +78,7 @@ class KVManager:
         else:
             tok_row = np.repeat(rows, lens)
             tok_pos = concat_ranges(starts, lens)
-        rows_t = torch.from_numpy(tok_row).to(device, non_blocking=True)
-        pos_t = torch.from_numpy(tok_pos).to(device, non_blocking=True)
+        rows_t, pos_t = _on(device, tok_row), _on(device, tok_pos)
         if p == 1:
             slots = self.pool.alloc_pages(total).long()
         else:
@@ -84,14 +89,13 @@ class KVManager:
             first_new = np.repeat(-(-starts // p), lens)
             is_new = page_in_req >= first_new
             ordinal = np.repeat(np.cumsum(new_pages) - new_pages, lens) + page_in_req - first_new
-            base_existing = self.table.table[rows_t, torch.from_numpy(page_in_req * p).to(device)].long()
+            base_existing = self.table.table[rows_t, _on(device, page_in_req * p)].long()
             if pages.numel():
-                ordinal_t = torch.from_numpy(np.clip(ordinal, 0, None)).to(device)
-                base_new = pages.long()[ordinal_t] * p
-                base = torch.where(torch.from_numpy(is_new).to(device), base_new, base_existing)
+                base_new = pages.long()[_on(device, np.clip(ordinal, 0, None))] * p
+                base = torch.where(_on(device, is_new), base_new, base_existing)
             else:
                 base = base_existing
-            slots = base + torch.from_numpy(tok_pos % p).to(device)
+            slots = base + _on(device, tok_pos % p)
         self.table.table[rows_t, pos_t] = slots.to(torch.int32)
         return slots
 
@@ -113,7 +117,7 @@ class KVManager:
         first = concat_ranges(np.asarray(starts), np.asarray(counts), step=p)
         row_of = np.repeat(np.asarray(rows), counts)
         device = self.table.table.device
-        slots = self.table.table[torch.from_numpy(row_of).to(device), torch.from_numpy(first).to(device)]
+        slots = self.table.table[_on(device, row_of), _on(device, first)]
         self.pool.free_pages(slots.long() // p)
 
     def cache_unfinished(self, req: Request) -> None:
