@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from miles.models.args import ModelArgs
+from miles.models.attention import KVWrite
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_pool import KVPool, RequestTable
 
@@ -42,10 +43,19 @@ class FlashinferAttention:
     def __init__(self, pool: KVPool, wrapper: object, out_slots: torch.Tensor) -> None:
         self.pool, self.wrapper, self.out_slots = pool, wrapper, out_slots
 
+    def kv_write(self, layer_idx: int) -> KVWrite:
+        return KVWrite(self.pool.k_layer(layer_idx), self.pool.v_layer(layer_idx), self.out_slots)
+
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
-        self.pool.write(layer_idx, self.out_slots, k, v)
+        if k is not None and v is not None:  # else the q/k kernel wrote them (`kv_write`)
+            self.pool.write(layer_idx, self.out_slots, k, v)
         cache = (self.pool.k_layer(layer_idx), self.pool.v_layer(layer_idx))
         # q is a view into the [N, Hq + Hk, D] q/k buffer: the kernels take row and head strides, no copy.
         q = q if q.stride(-1) == 1 else q.contiguous()

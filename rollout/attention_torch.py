@@ -249,9 +249,18 @@ class TorchPagedAttention:
         )
         return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias, buffers)
 
+    def kv_write(self, layer_idx: int) -> None:
+        return None  # the reference backend writes through `pool.write`
+
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
+        assert k is not None and v is not None
         self.pool.write(layer_idx, self.out_slots, k, v)
         if self.dec_in_place:
             return self._decode(layer_idx, q, scale).reshape(q.shape)
@@ -313,9 +322,18 @@ class RowwiseAttention:
         self.pool, self.out_slots = pool, out_slots
         self.slots = [table.table[r, : p + 1].long() if r >= 0 else None for r, p in zip(rows, positions)]
 
+    def kv_write(self, layer_idx: int) -> None:
+        return None  # the reference backend writes through `pool.write`
+
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
+        assert k is not None and v is not None
         self.pool.write(layer_idx, self.out_slots, k, v)
         out = torch.zeros_like(q)
         for i, slots in enumerate(self.slots):

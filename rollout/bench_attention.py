@@ -41,6 +41,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument(
+        "--fixed-split-size",
+        type=int,
+        default=None,
+        help="pages per split-KV chunk in the plan (flashinfer's fixed_split_size; tensor-core variants)",
+    )
     return p.parse_args(argv)
 
 
@@ -61,6 +67,7 @@ def flashinfer_decode_run(
     hq: int,
     hkv: int,
     d: int,
+    fixed_split_size: int | None = None,
 ) -> Callable[[], torch.Tensor]:
     """A planned `BatchDecodeWithPagedKVCacheWrapper` as the engine would run it, ready to time."""
     import flashinfer
@@ -70,6 +77,8 @@ def flashinfer_decode_run(
     plan_options = (
         {"disable_split_kv": options.pop("disable_split_kv")} if "disable_split_kv" in options else {}
     )
+    if fixed_split_size is not None:
+        plan_options["fixed_split_size"] = fixed_split_size
     if graph:
         options.update(
             use_cuda_graph=True,
@@ -122,7 +131,7 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
             )
     else:
         run = flashinfer_decode_run(
-            options, workspace, indptr, indices, last, q, k, v, a.page_size, hq, hkv, d
+            options, workspace, indptr, indices, last, q, k, v, a.page_size, hq, hkv, d, a.fixed_split_size
         )
     out = run()
     # Against float32 math on the first sequences (the pages each one reads).
@@ -160,6 +169,7 @@ def main(argv: list[str]) -> int:
         "batch": a.batch,
         "context": a.context,
         "page_size": a.page_size,
+        "fixed_split_size": a.fixed_split_size,
         "heads": [hq, hkv, d],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "results": results,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from miles.models import fused
+from miles.models.attention import KVWrite
 
 
 @pytest.fixture(autouse=True)
@@ -107,3 +108,21 @@ def test_qk_norm_rope_dispatch_off_cuda_and_the_layouts_the_kernel_takes(
         out = fused_norm_rope.qk_norm_rope(qk, wq, wk, attn.num_heads, attn.q_norm.eps, cos, sin)
     assert calls == [fused.qk_norm_rope]
     assert torch.equal(out, fused.qk_norm_rope(qk, wq, wk, attn.num_heads, attn.q_norm.eps, cos, sin))
+    # The KV-writing variant: the caches it can write, and off CUDA it declines (the caller writes instead).
+    v = qkv[:, heads * dim :].view(n, attn.num_kv_heads, dim)
+    caches = torch.zeros(2, 4, 16, attn.num_kv_heads, dim, dtype=torch.bfloat16)
+    write = KVWrite(caches[0], caches[1], torch.arange(n) + 16)
+    assert fused_norm_rope.cache_fits(qk, v, attn.num_heads, write)
+    assert not fused_norm_rope.cache_fits(
+        qk, v, attn.num_heads, KVWrite(caches[0].float(), caches[1], write.slots)
+    )
+    assert not fused_norm_rope.cache_fits(
+        qk, v, attn.num_heads, KVWrite(caches[0], caches[1], write.slots[:2])
+    )
+    assert not fused_norm_rope.cache_fits(qk, v[:, :1], attn.num_heads, write)
+    with torch.no_grad(), fused.fused_kernels():
+        assert (
+            fused_norm_rope.qk_norm_rope_into_cache(qk, v, wq, wk, attn.num_heads, 1e-6, cos, sin, write)
+            is None
+        )
+    assert not caches.any()

@@ -267,13 +267,16 @@ def test_fused_kernels_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> 
     kernel_calls = []
     kernel = fused_norm_rope.qk_norm_rope_kernel
     monkeypatch.setattr(
-        fused_norm_rope, "qk_norm_rope_kernel", lambda *args: kernel_calls.append(1) or kernel(*args)
+        fused_norm_rope,
+        "qk_norm_rope_kernel",
+        lambda *args: kernel_calls.append(len(args) == 9) or kernel(*args),  # 9: with v and the KV write
     )
     assert_agree_until_near_tie(
         model, eager_out, engine.generate(PROMPTS, GREEDY), logprob_tol=0.05, near_tie=0.5
     )
-    # The engine's forwards (eager prefill, graph-captured decode) took the q/k Triton kernel and kept it.
-    assert kernel_calls and not fused_norm_rope._disabled
+    # The engine's forwards (eager prefill, graph-captured decode) took the q/k Triton kernel, with the KV
+    # write folded in, and kept it.
+    assert kernel_calls and all(kernel_calls) and not fused_norm_rope._disabled
 
 
 def test_speculative_decoding_on_cuda_matches_plain_decoding() -> None:
@@ -399,6 +402,44 @@ def test_qk_norm_rope_kernel_matches_the_eager_functions(tokens: int, hq: int, h
     assert (diff <= 4 * 2.0**-7 * ref.float().abs().amax(-1, keepdim=True)).all(), float(diff.max())
     # A cast to bf16 and back instead of the bit rounding differed on ~16 % of the elements.
     assert float((diff > 0).float().mean()) < 1e-3
+
+
+@pytest.mark.parametrize(("tokens", "hq", "hk", "dim", "page"), [(523, 32, 4, 128, 16), (7, 6, 3, 64, 1)])
+def test_qk_norm_rope_kernel_writes_k_and_v_to_their_cache_slots(
+    tokens: int, hq: int, hk: int, dim: int, page: int
+) -> None:
+    """With the KV write folded in: q/k out as without it, and at each token's slot of the paged caches its
+    rotated k and its v (bit for bit what `KVPool.write` stores); every other slot untouched."""
+    dtype = torch.bfloat16
+    from miles.models import fused, fused_norm_rope
+    from miles.models.attention import KVWrite
+
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, device="cuda", dtype=dtype) * 3
+    qk = qkv[:, : (hq + hk) * dim].view(tokens, hq + hk, dim)
+    v = qkv[:, (hq + hk) * dim :].view(tokens, hk, dim)
+    wq, wk = torch.randn(dim, device="cuda", dtype=dtype), torch.randn(dim, device="cuda", dtype=dtype)
+    angle = torch.rand(tokens, dim, device="cuda") * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    num_pages = tokens // page + 8
+    k_cache = torch.full((num_pages, page, hk, dim), 7.0, device="cuda", dtype=dtype)
+    v_cache = torch.full_like(k_cache, 7.0)
+    slots = torch.randperm(num_pages * page - page, device="cuda")[:tokens] + page  # page 0 stays free
+    with torch.no_grad(), fused.fused_kernels():
+        got = fused_norm_rope.qk_norm_rope_into_cache(
+            qk, v, wq, wk, hq, 1e-6, cos, sin, KVWrite(k_cache, v_cache, slots)
+        )
+        plain = fused_norm_rope.qk_norm_rope_kernel(qk, wq, wk, hq, 1e-6, cos, sin)
+    assert got is not None and torch.equal(got, plain)
+    flat_k, flat_v = k_cache.view(-1, hk, dim), v_cache.view(-1, hk, dim)
+    assert torch.equal(flat_k[slots], plain[:, hq:]) and torch.equal(flat_v[slots], v)
+    untouched = torch.ones(num_pages * page, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert (flat_k[untouched] == 7.0).all() and (flat_v[untouched] == 7.0).all()
+    # A layout the kernel cannot write (float32 caches) declines, so the caller writes through `attend`.
+    with torch.no_grad(), fused.fused_kernels():
+        wide = KVWrite(k_cache.float(), v_cache.float(), slots)
+        assert fused_norm_rope.qk_norm_rope_into_cache(qk, v, wq, wk, hq, 1e-6, cos, sin, wide) is None
 
 
 def test_bf16_bit_rounding_matches_torch_on_special_values() -> None:

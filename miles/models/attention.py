@@ -7,17 +7,40 @@ sequences; the rollout engine supplies contexts that read and write its paged KV
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass
+class KVWrite:
+    """Where a layer's new keys and values go in a paged KV cache, for a kernel that writes them itself."""
+
+    k_cache: torch.Tensor
+    """[slots, Hkv, D] (any leading shape that flattens to it, contiguous)."""
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    """[N] int64: the slot of each new token."""
+
+
 class AttentionContext(Protocol):
+    def kv_write(self, layer_idx: int) -> KVWrite | None:
+        """The layer's cache destination, where the caller may write k and v itself (then passing None for
+        them to `attend`); None where `attend` must receive them."""
+        ...
+
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
-        """q: [N, Hq, D], k/v: [N, Hkv, D] for the N new tokens; returns [N, Hq, D]."""
+        """q: [N, Hq, D], k/v: [N, Hkv, D] for the N new tokens (None: already written through
+        `kv_write`); returns [N, Hq, D]."""
         ...
 
 
@@ -72,9 +95,18 @@ class VarlenAttention:
             self._mask = same_seq & torch.ones(n, n, dtype=torch.bool, device=device).tril()
         return self._mask
 
+    def kv_write(self, layer_idx: int) -> None:
+        return None  # no cache: keys and values come straight from the layer
+
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
+        assert k is not None and v is not None
         if len(self.cu_seqlens) == 2:
             return sdpa(q, k, v, scale, causal=True)
         if self.cu_seqlens[-1] <= self.block_mask_max_tokens:

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from miles.models import fused
+from miles.models.attention import KVWrite
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,16 @@ if triton is not None:
         num_q_heads,
         num_heads,
         eps,
+        v_ptr,  # [N, Hk, D] (row stride stride_vn, head stride stride_vh); with WRITE_KV only
+        stride_vn,
+        stride_vh,
+        k_cache_ptr,  # [slots, Hk, D] contiguous; with WRITE_KV only
+        v_cache_ptr,
+        slots_ptr,  # [N]
         HEADS: tl.constexpr,  # num_heads rounded up to a power of two
         HALF: tl.constexpr,  # D // 2
+        KV_HEADS: tl.constexpr,  # Hk rounded up to a power of two
+        WRITE_KV: tl.constexpr,  # also store the token's rotated k and its v at its cache slot
     ):
         row = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HEADS)
@@ -85,6 +94,18 @@ if triton is not None:
         # Exactly representable: the store's conversion does not round again.
         tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=ok)
+        if WRITE_KV:
+            num_kv_heads = num_heads - num_q_heads
+            slot_base = tl.load(slots_ptr + row).to(tl.int64) * num_kv_heads * (2 * HALF)
+            is_k = ok & (heads >= num_q_heads)[:, None]
+            k_dst = k_cache_ptr + slot_base + (heads[:, None] - num_q_heads) * (2 * HALF) + cols[None, :]
+            tl.store(k_dst, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            tl.store(k_dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            kv_heads = tl.arange(0, KV_HEADS)[:, None]
+            dims = tl.arange(0, 2 * HALF)[None, :]
+            is_kv = kv_heads < num_kv_heads
+            v = tl.load(v_ptr + row * stride_vn + kv_heads * stride_vh + dims, mask=is_kv)
+            tl.store(v_cache_ptr + slot_base + kv_heads * (2 * HALF) + dims, v, mask=is_kv)
 
 
 def shapes_fit(
@@ -127,13 +148,24 @@ def qk_norm_rope_kernel(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    v: torch.Tensor | None = None,
+    kv_write: KVWrite | None = None,
 ) -> torch.Tensor:
-    """`fused.qk_norm_rope` as one Triton kernel: [N, Hq + Hk, D] (any row and head strides) -> contiguous."""
+    """`fused.qk_norm_rope` as one Triton kernel: [N, Hq + Hk, D] (any row and head strides) -> contiguous.
+    With `v` and `kv_write`, each token's rotated k and its v also go to its slot of the caches."""
     num_tokens, heads, dim = qk.shape
     out = torch.empty(num_tokens, heads, dim, dtype=qk.dtype, device=qk.device)
     if num_tokens == 0:
         return out
     cos, sin = cos.contiguous(), sin.contiguous()
+    write_kv = v is not None and kv_write is not None
+    if write_kv:
+        assert v is not None and kv_write is not None
+        v_arg, k_cache, v_cache, slots = v, kv_write.k_cache, kv_write.v_cache, kv_write.slots
+        stride_vn, stride_vh = v.stride(0), v.stride(1)
+    else:  # unused pointers (the branch is compiled out)
+        v_arg = k_cache = v_cache = slots = qk
+        stride_vn = stride_vh = 0
     _qk_norm_rope_kernel[(num_tokens,)](
         qk,
         out,
@@ -147,10 +179,63 @@ def qk_norm_rope_kernel(
         num_q_heads,
         heads,
         eps,
+        v_arg,
+        stride_vn,
+        stride_vh,
+        k_cache,
+        v_cache,
+        slots,
         HEADS=triton.next_power_of_2(heads),
         HALF=dim // 2,
+        KV_HEADS=triton.next_power_of_2(heads - num_q_heads),
+        WRITE_KV=write_kv,
     )
     return out
+
+
+def cache_fits(qk: torch.Tensor, v: torch.Tensor, num_q_heads: int, kv_write: KVWrite) -> bool:
+    """The caches the kernel can write: qk's dtype, contiguous [slots, Hk, D] rows, v with unit stride along
+    D, one slot per token."""
+    num_tokens, heads, dim = qk.shape
+    row = (heads - num_q_heads) * dim
+    return (
+        all(
+            c.dtype == qk.dtype and c.is_contiguous() and c.numel() % row == 0 and c.shape[-1] == dim
+            for c in (kv_write.k_cache, kv_write.v_cache)
+        )
+        and v.dtype == qk.dtype
+        and v.shape == (num_tokens, heads - num_q_heads, dim)
+        and v.stride(-1) == 1
+        and kv_write.slots.shape == (num_tokens,)
+        and not kv_write.slots.is_floating_point()
+    )
+
+
+def qk_norm_rope_into_cache(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_q_heads: int,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_write: KVWrite,
+) -> torch.Tensor | None:
+    """The kernel with the layer's KV-cache write folded in (one launch instead of three: the rotated k and
+    v go straight to their slots). None where the kernel does not apply; the caller then runs
+    `qk_norm_rope` and hands k and v to the attention context to write."""
+    global _disabled
+    if not (applies(qk, q_weight, k_weight, cos, sin) and cache_fits(qk, v, num_q_heads, kv_write)):
+        return None
+    try:
+        return qk_norm_rope_kernel(qk, q_weight, k_weight, num_q_heads, eps, cos, sin, v, kv_write)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # Triton cannot compile here: the compiled function and `attend` do the same
+        _disabled = True
+        log.warning("q/k norm+RoPE kernel unavailable (%s: %s); using torch.compile", type(err).__name__, err)
+        return None
 
 
 def qk_norm_rope(

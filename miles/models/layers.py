@@ -98,21 +98,21 @@ class Attention(nn.Module):
         qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         cos, sin = rope
+        written: torch.Tensor | None = None  # q/k, with k and v already in the KV cache
         if self.q_norm is not None:
             assert self.k_norm is not None and self.q_norm.eps == self.k_norm.eps
-            qk = fused_norm_rope.qk_norm_rope(
-                qk,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.num_heads,
-                self.q_norm.eps,
-                cos,
-                sin,
-            )
+            norm_args = (self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps, cos, sin)
+            kv_write = attn.kv_write(self.layer_idx)
+            if kv_write is not None:
+                written = fused_norm_rope.qk_norm_rope_into_cache(qk, v, *norm_args, kv_write)
+            qk = written if written is not None else fused_norm_rope.qk_norm_rope(qk, *norm_args)
         else:
             qk = fused.call(fused.rope, qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = attn.attend(self.layer_idx, q, k, v, self.scale)
+        if written is not None:
+            out = attn.attend(self.layer_idx, q, None, None, self.scale)
+        else:
+            out = attn.attend(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
