@@ -77,8 +77,8 @@ def flashinfer_decode_run(
     plan_options = (
         {"disable_split_kv": options.pop("disable_split_kv")} if "disable_split_kv" in options else {}
     )
-    if fixed_split_size is not None:
-        plan_options["fixed_split_size"] = fixed_split_size
+    if fixed_split_size is not None and options.get("use_tensor_cores") and not plan_options:
+        plan_options["fixed_split_size"] = fixed_split_size  # flashinfer takes it on split tensor-core plans
     if graph:
         options.update(
             use_cuda_graph=True,
@@ -122,6 +122,8 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
         q = torch.randn(a.batch, hq, d, device=device, dtype=torch.bfloat16)
     options = dict(VARIANTS[name])
     if options.pop("xqa", False):
+        if a.page_size not in (16, 32, 64, 128):
+            raise ValueError(f"XQA takes page sizes 16, 32, 64 or 128 (--page-size), not {a.page_size}")
         block_tables = indices.view(a.batch, pages_per_seq)
         seq_lens = torch.full((a.batch,), a.context, dtype=torch.int32, device=device)
 

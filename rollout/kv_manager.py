@@ -18,8 +18,9 @@ from miles.rollout.request import Request
 
 
 def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
-    """A host array on `device` without waiting for the device: a blocking copy would synchronise the stream
-    and stall the host behind the step in flight (overlap scheduling)."""
+    """A host array on `device` through a non-blocking copy: a blocking one synchronises the stream, so the
+    host would wait for the step in flight every step (overlap scheduling). From pageable memory the driver
+    stages the array before returning, so the array may be freed right after."""
     return torch.from_numpy(array).to(device, non_blocking=True)
 
 

@@ -7,8 +7,9 @@ reads a few blocks once and keeps, per block, its own maximum m_b and s_b = sum 
 global maximum and the totals s_b * exp(m_b - max) (float64) then come from [B, blocks] tensors.
 
 The totals equal `block_masses`' up to float rounding (each weight is exp(scaled - m_b) instead of
-exp(scaled - max), ~1 ulp of float32); the draw inside the chosen block recomputes its weights from the
-logits exactly as before, and the maximum is exact (a max does not round).
+exp(scaled - max), through Triton's fast exp: a few float32 ulp, more far below the maximum); the draw inside
+the chosen block recomputes its weights from the logits exactly as before, and the maximum is exact (a max
+does not round). A NaN logit makes the row's totals NaN, as in `block_masses`.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ def block_masses_kernel(
             BLOCKS_PER_PROGRAM=_BLOCKS_PER_PROGRAM,
         )
     top = block_max.amax(dim=-1, keepdim=True)
+    # exp(m_b - max) in float32, as `block_masses` weighs each token: a block whose largest weight underflows
+    # to 0 there gets mass 0 here too, so the draw never picks a block whose recomputed weights are all 0.
     # Blocks of -inf (their sum is 0) scale by 0, not by exp(-inf - -inf).
-    scale = torch.where(block_sum > 0, (block_max.double() - top.double()).exp(), 0.0)
+    scale = torch.where(block_sum > 0, (block_max - top).exp().double(), 0.0)
     return top, block_sum * scale
 
 

@@ -120,9 +120,12 @@ def test_qk_norm_rope_dispatch_off_cuda_and_the_layouts_the_kernel_takes(
         qk, v, attn.num_heads, KVWrite(caches[0], caches[1], write.slots[:2])
     )
     assert not fused_norm_rope.cache_fits(qk, v[:, :1], attn.num_heads, write)
+    mismatched = KVWrite(caches[0], caches[1, :2], write.slots)  # k and v caches of different shapes
+    assert not fused_norm_rope.cache_fits(qk, v, attn.num_heads, mismatched)
+    narrow = KVWrite(caches[0, ..., :8], caches[1, ..., :8], write.slots)  # not [..., Hk, D]
+    assert not fused_norm_rope.cache_fits(qk, v, attn.num_heads, narrow)
     with torch.no_grad(), fused.fused_kernels():
         assert (
             fused_norm_rope.qk_norm_rope_into_cache(qk, v, wq, wk, attn.num_heads, 1e-6, cos, sin, write)
             is None
         )
-    assert not caches.any()

@@ -32,6 +32,7 @@ except ImportError:  # CPU-only installs: the compiled or eager functions run in
     triton = None  # type: ignore[assignment]
 
 _disabled = False
+_kv_write_disabled = False  # its own flag: a failure of that variant leaves the plain kernel on
 
 
 if triton is not None:
@@ -194,15 +195,20 @@ def qk_norm_rope_kernel(
 
 
 def cache_fits(qk: torch.Tensor, v: torch.Tensor, num_q_heads: int, kv_write: KVWrite) -> bool:
-    """The caches the kernel can write: qk's dtype, contiguous [slots, Hk, D] rows, v with unit stride along
-    D, one slot per token."""
+    """The caches the kernel can write: qk's dtype and device, contiguous [..., Hk, D] (k and v alike), v with
+    unit stride along D, one slot per token."""
     num_tokens, heads, dim = qk.shape
-    row = (heads - num_q_heads) * dim
+    num_kv_heads = heads - num_q_heads
     return (
         all(
-            c.dtype == qk.dtype and c.is_contiguous() and c.numel() % row == 0 and c.shape[-1] == dim
+            c.dtype == qk.dtype
+            and c.device == qk.device
+            and c.is_contiguous()
+            and c.shape[-2:] == (num_kv_heads, dim)
             for c in (kv_write.k_cache, kv_write.v_cache)
         )
+        and kv_write.k_cache.shape == kv_write.v_cache.shape
+        and kv_write.slots.device == qk.device
         and v.dtype == qk.dtype
         and v.shape == (num_tokens, heads - num_q_heads, dim)
         and v.stride(-1) == 1
@@ -225,16 +231,20 @@ def qk_norm_rope_into_cache(
     """The kernel with the layer's KV-cache write folded in (one launch instead of three: the rotated k and
     v go straight to their slots). None where the kernel does not apply; the caller then runs
     `qk_norm_rope` and hands k and v to the attention context to write."""
-    global _disabled
-    if not (applies(qk, q_weight, k_weight, cos, sin) and cache_fits(qk, v, num_q_heads, kv_write)):
+    global _kv_write_disabled
+    if _kv_write_disabled or not (
+        applies(qk, q_weight, k_weight, cos, sin) and cache_fits(qk, v, num_q_heads, kv_write)
+    ):
         return None
     try:
         return qk_norm_rope_kernel(qk, q_weight, k_weight, num_q_heads, eps, cos, sin, v, kv_write)
     except torch.cuda.OutOfMemoryError:
         raise
-    except Exception as err:  # Triton cannot compile here: the compiled function and `attend` do the same
-        _disabled = True
-        log.warning("q/k norm+RoPE kernel unavailable (%s: %s); using torch.compile", type(err).__name__, err)
+    except (
+        Exception
+    ) as err:  # the KV-writing variant cannot compile here: `qk_norm_rope` and `attend` instead
+        _kv_write_disabled = True
+        log.warning("q/k kernel with the KV write unavailable (%s: %s)", type(err).__name__, err)
         return None
 
 
