@@ -47,6 +47,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="pages per split-KV chunk in the plan (flashinfer's fixed_split_size; tensor-core variants)",
     )
+    p.add_argument(
+        "--layout",
+        choices=("NHD", "HND"),
+        default="NHD",
+        help="KV page layout: tokens outside heads (the engine's pool) or heads outside tokens",
+    )
     return p.parse_args(argv)
 
 
@@ -68,6 +74,7 @@ def flashinfer_decode_run(
     hkv: int,
     d: int,
     fixed_split_size: int | None = None,
+    layout: str = "NHD",
 ) -> Callable[[], torch.Tensor]:
     """A planned `BatchDecodeWithPagedKVCacheWrapper` as the engine would run it, ready to time."""
     import flashinfer
@@ -86,7 +93,7 @@ def flashinfer_decode_run(
             paged_kv_indices_buffer=indices.clone(),
             paged_kv_last_page_len_buffer=last.to(q.device),
         )
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **options)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, **options)
     wrapper.plan(
         indptr,
         indices,
@@ -110,6 +117,8 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
     stride = 2 if a.page_size == 1 else 1
     num_pages = a.batch * pages_per_seq * stride + 1
     k = torch.randn(num_pages, a.page_size, hkv, d, device=device, dtype=torch.bfloat16)
+    if a.layout == "HND":  # the same values, heads outside tokens within each page
+        k = k.transpose(1, 2).contiguous()
     v = torch.randn_like(k)
     order = torch.randperm(a.batch * pages_per_seq, device=device) * stride + 1
     indices = order.to(torch.int32)
@@ -129,19 +138,44 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
 
         def run() -> torch.Tensor:
             return flashinfer.decode.xqa_batch_decode_with_kv_cache(
-                q, (k, v), workspace, block_tables, seq_lens, a.context, bmm1_scale=d**-0.5
+                q,
+                (k, v),
+                workspace,
+                block_tables,
+                seq_lens,
+                a.context,
+                bmm1_scale=d**-0.5,
+                kv_layout=a.layout,
             )
     else:
         run = flashinfer_decode_run(
-            options, workspace, indptr, indices, last, q, k, v, a.page_size, hq, hkv, d, a.fixed_split_size
+            options,
+            workspace,
+            indptr,
+            indices,
+            last,
+            q,
+            k,
+            v,
+            a.page_size,
+            hq,
+            hkv,
+            d,
+            a.fixed_split_size,
+            a.layout,
         )
     out = run()
     # Against float32 math on the first sequences (the pages each one reads).
     ref = []
     for b in range(min(4, a.batch)):
         pages = indices[b * pages_per_seq : (b + 1) * pages_per_seq].long()
-        kb = k[pages].reshape(-1, hkv, d)[: a.context].float()
-        vb = v[pages].reshape(-1, hkv, d)[: a.context].float()
+        kp, vp = (
+            (k[pages], v[pages])
+            if a.layout == "NHD"
+            else (k[pages].transpose(1, 2), v[pages].transpose(1, 2))
+        )
+        kb = kp.reshape(-1, hkv, d)[: a.context].float()
+        vb = vp.reshape(-1, hkv, d)[: a.context].float()
         qb = q[b].float().view(hkv, hq // hkv, d)
         scores = torch.einsum("kgd,tkd->kgt", qb, kb) * d**-0.5
         ref.append(torch.einsum("kgt,tkd->kgd", scores.softmax(-1), vb).reshape(hq, d))
@@ -172,6 +206,7 @@ def main(argv: list[str]) -> int:
         "context": a.context,
         "page_size": a.page_size,
         "fixed_split_size": a.fixed_split_size,
+        "layout": a.layout,
         "heads": [hq, hkv, d],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "results": results,

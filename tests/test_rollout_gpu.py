@@ -309,6 +309,25 @@ def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) ->
     assert report["ms"]["serial"] >= 0.5 * (report["ms"]["gemms"] + report["ms"]["attention"]), report
 
 
+@pytest.mark.parametrize(("layout", "page"), [("NHD", 1), ("NHD", 16), ("HND", 16)])
+def test_bench_attention_variants_agree_with_float32(
+    layout: str, page: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`miles bench attention` on a small batch: the engine's variants run in both page layouts and agree with
+    its float32 reference (it checks the plumbing and the layouts, not the numbers)."""
+    import json
+
+    from miles.rollout import bench_attention
+
+    args = ["--model", "qwen3-8b", "--batch", "4", "--context", "40", "--iters", "2", "--layout", layout]
+    variants = "fa2-graph-strided-q,fa2-tensor-core"
+    assert bench_attention.main([*args, "--page-size", str(page), "--variants", variants]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert [r["variant"] for r in report["results"]] == variants.split(",")
+    for r in report["results"]:
+        assert "error" not in r and r["rel_err"] < 1e-2 and r["seconds"] > 0, r
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "hidden", "inter"),
     [(1, 16, 4, 256, 128), (300, 16, 4, 256, 128), (523, 128, 8, 2048, 768), (37, 60, 4, 320, 96)],
