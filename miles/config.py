@@ -90,8 +90,9 @@ class RolloutConfig:
     cuda_graph: bool = True
     """Capture decode in CUDA graphs (GPU only)."""
     fused_kernels: str = "auto"
-    """Fused kernels for the engine's forwards and sampling: RMSNorm / RoPE / SwiGLU and the sampler's
-    reductions compiled, MoE experts at decode sizes through Triton (miles/models/fused_moe.py):
+    """Fused kernels for the engine's forwards and sampling: RMSNorm / RoPE / SwiGLU compiled; q/k
+    norm+RoPE (with the KV-cache write), the sampler's block totals and the MoE router and experts at decode
+    sizes as Triton kernels:
     auto (CUDA with bf16/fp16) | on | off."""
     flashinfer_kernel: str = "fa2"
     """flashinfer's attention kernel family: fa2 | fa3 (Hopper; compiles its own kernels on first use)."""

@@ -13,7 +13,7 @@ import torch
 
 from miles.models.args import ModelArgs
 from miles.models.attention import KVWrite
-from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.forward_batch import ForwardBatch, host_to_device
 from miles.rollout.kv_pool import KVPool, RequestTable
 
 _WORKSPACE_BYTES = 1024 * 1024 * 1024
@@ -29,9 +29,9 @@ def paged_kv_metadata(
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
     total = int(indptr[-1])
     device = table.table.device
-    rows_t = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(device, non_blocking=True)
-    counts = torch.from_numpy(pages).to(device, non_blocking=True)
-    starts = torch.from_numpy(indptr[:-1].astype(np.int64)).to(device, non_blocking=True)
+    rows_t = host_to_device(np.asarray(rows, dtype=np.int64), device)
+    counts = host_to_device(pages, device)
+    starts = host_to_device(indptr[:-1].astype(np.int64), device)
     seq_of = torch.repeat_interleave(torch.arange(len(rows), device=device), counts, output_size=total)
     page_in_seq = torch.arange(total, device=device) - starts[seq_of]
     indices = (table.table[rows_t[seq_of], page_in_seq * page_size] // page_size).to(torch.int32)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.attention import sdpa
-from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.forward_batch import ForwardBatch, host_to_device
 from miles.rollout.kv_pool import KVPool, RequestTable
 
 _MIN_SHARED_PREFIX = 16
@@ -44,7 +44,7 @@ def _flash_lse(
 
 def _step_mask(valid: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The mask as SDPA takes it; on CPU the additive form, built once per step instead of once per layer."""
-    mask = torch.from_numpy(valid).to(device, non_blocking=True)
+    mask = host_to_device(valid, device)
     if device.type != "cpu":
         return mask
     return torch.zeros(valid.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
@@ -156,7 +156,7 @@ class TorchPagedAttention:
         self.dec_in_place = (
             not self.prefills and self.short is None and bool((tokens == np.arange(len(order))).all())
         )
-        self.dec_tokens = torch.from_numpy(tokens).to(device, non_blocking=True)
+        self.dec_tokens = host_to_device(tokens, device)
         first = np.array([prefix.get(i, 0) for i in order.tolist()])
         suffix = np.asarray(batch.kv_lens)[order] - first
         width = int(suffix.max())
@@ -195,11 +195,11 @@ class TorchPagedAttention:
         return _ShortExtends(
             batch_size=b,
             width=t,
-            tokens=torch.from_numpy(tokens.reshape(-1)).to(device, non_blocking=True),
+            tokens=host_to_device(tokens.reshape(-1), device),
             slots=_table_slots(table, np.asarray([batch.rows[i] for i in idx]), cols),
             allowed=allowed,
-            src=torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(device, non_blocking=True),
-            dst=torch.from_numpy(tokens.reshape(-1)[real.reshape(-1)]).to(device, non_blocking=True),
+            src=host_to_device(np.flatnonzero(real.reshape(-1)), device),
+            dst=host_to_device(tokens.reshape(-1)[real.reshape(-1)], device),
         )
 
     def _short(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
@@ -240,7 +240,7 @@ class TorchPagedAttention:
         slots = _table_slots(table, rows, np.where(beyond, 0, positions))
         bias = None
         if beyond.any():
-            slots.masked_fill_(torch.from_numpy(beyond).to(device, non_blocking=True), 0)
+            slots.masked_fill_(host_to_device(beyond, device), 0)
             bias = _step_mask(~beyond[:, None, None, :], lay.dtype, device)
         shape = (len(groups), len(positions), lay.num_kv_heads, lay.head_dim)
         buffers = (

@@ -21,7 +21,7 @@ from miles.config import RolloutConfig
 from miles.models import fused
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
-from miles.rollout.forward_batch import ForwardBatch, concat_ranges
+from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
 from miles.rollout.model_runner import ModelRunner, resolve_backend
@@ -38,7 +38,7 @@ from miles.sample import Sample, SampleStatus
 _DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
 """Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
 _SAMPLE_BLOCK_GPU = 256
-"""Rows sampled at once on GPU (bounds the [rows, vocab] temporaries; the compiled unfiltered draw has none
+"""Rows sampled at once on GPU (bounds the [rows, vocab] temporaries; the block-total unfiltered draw has none
 and samples every row at once unless greedy rows, which take a [rows, vocab] log-softmax, are mixed in)."""
 _STALL_STEPS = 10_000
 
@@ -646,7 +646,7 @@ class Engine:
                 input_ids[index] = self._in_flight.tokens[source]
         return ForwardBatch(
             input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            positions=host_to_device(positions, dev),
             out_slots=out_slots,
             rows=[c.req.row for c in chunks],
             q_lens=lens.tolist(),

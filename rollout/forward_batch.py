@@ -15,6 +15,13 @@ def concat_ranges(starts: np.ndarray, counts: np.ndarray, step: int = 1) -> np.n
     return np.repeat(starts, counts) + within * step
 
 
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` through a non-blocking copy: a blocking one synchronises the stream, so the
+    host would wait for the step in flight every step (overlap scheduling). From pageable memory the driver
+    stages the array before returning, so the array may be freed right after."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor

@@ -11,17 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from miles.rollout.forward_batch import concat_ranges
+from miles.rollout.forward_batch import concat_ranges, host_to_device
 from miles.rollout.kv_pool import KVPool, RequestTable
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
-
-
-def _on(device: torch.device, array: np.ndarray) -> torch.Tensor:
-    """A host array on `device` through a non-blocking copy: a blocking one synchronises the stream, so the
-    host would wait for the step in flight every step (overlap scheduling). From pageable memory the driver
-    stages the array before returning, so the array may be freed right after."""
-    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 class KVManager:
@@ -79,7 +72,7 @@ class KVManager:
         else:
             tok_row = np.repeat(rows, lens)
             tok_pos = concat_ranges(starts, lens)
-        rows_t, pos_t = _on(device, tok_row), _on(device, tok_pos)
+        rows_t, pos_t = host_to_device(tok_row, device), host_to_device(tok_pos, device)
         if p == 1:
             slots = self.pool.alloc_pages(total).long()
         else:
@@ -90,13 +83,13 @@ class KVManager:
             first_new = np.repeat(-(-starts // p), lens)
             is_new = page_in_req >= first_new
             ordinal = np.repeat(np.cumsum(new_pages) - new_pages, lens) + page_in_req - first_new
-            base_existing = self.table.table[rows_t, _on(device, page_in_req * p)].long()
+            base_existing = self.table.table[rows_t, host_to_device(page_in_req * p, device)].long()
             if pages.numel():
-                base_new = pages.long()[_on(device, np.clip(ordinal, 0, None))] * p
-                base = torch.where(_on(device, is_new), base_new, base_existing)
+                base_new = pages.long()[host_to_device(np.clip(ordinal, 0, None), device)] * p
+                base = torch.where(host_to_device(is_new, device), base_new, base_existing)
             else:
                 base = base_existing
-            slots = base + _on(device, tok_pos % p)
+            slots = base + host_to_device(tok_pos % p, device)
         self.table.table[rows_t, pos_t] = slots.to(torch.int32)
         return slots
 
@@ -118,7 +111,7 @@ class KVManager:
         first = concat_ranges(np.asarray(starts), np.asarray(counts), step=p)
         row_of = np.repeat(np.asarray(rows), counts)
         device = self.table.table.device
-        slots = self.table.table[_on(device, row_of), _on(device, first)]
+        slots = self.table.table[host_to_device(row_of, device), host_to_device(first, device)]
         self.pool.free_pages(slots.long() // p)
 
     def cache_unfinished(self, req: Request) -> None:

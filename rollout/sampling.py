@@ -184,8 +184,9 @@ def _draw(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def block_masses(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max of logits / temperature [B, 1] float32, float64 total of the weights exp(scaled - max) over each
-    block of _CDF_BLOCK tokens [B, blocks]). Compiled (fused kernels on), this reads the logits twice and
-    writes only the block totals, where `_inverse_cdf` writes a float64 copy of every weight."""
+    block of _CDF_BLOCK tokens [B, blocks]). The reference for `sampling_triton`'s one-pass kernel, and its
+    fallback compiled (fused kernels on): it reads the logits twice and writes only the block totals, where
+    `_inverse_cdf` writes a float64 copy of every weight."""
     scaled = logits.float() / temperature[:, None]
     top = scaled.amax(dim=-1, keepdim=True)
     weights = (scaled - top).exp()
@@ -218,7 +219,8 @@ def _sample_from_block_masses(
 
 
 def draws_from_block_masses(params: SamplingTensors, device: torch.device) -> bool:
-    """Whether `sample` takes the compiled unfiltered draw, whose temporaries are [B, blocks], not [B, V]."""
+    """Whether `sample` takes the unfiltered draw from block totals (the Triton kernel's, else the compiled
+    `block_masses`), whose temporaries are [B, blocks], not [B, V]."""
     return not params.any_filter and not params.all_greedy and fused.compiling() and device.type == "cuda"
 
 
