@@ -56,10 +56,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def strided_q_of(name: str) -> bool:
-    return bool(VARIANTS[name].get("strided_q", False))
-
-
 def flashinfer_decode_run(
     options: dict[str, Any],
     workspace: torch.Tensor,
@@ -125,7 +121,7 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
     indptr = torch.arange(0, a.batch * pages_per_seq + 1, pages_per_seq, dtype=torch.int32)
     last = torch.full((a.batch,), a.context - (pages_per_seq - 1) * a.page_size, dtype=torch.int32)
     workspace = torch.zeros(1024 * 1024 * 1024, dtype=torch.uint8, device=device)
-    if strided_q_of(name):
+    if VARIANTS[name].get("strided_q"):
         q = torch.randn(a.batch, hq + hkv, d, device=device, dtype=torch.bfloat16)[:, :hq]
     else:
         q = torch.randn(a.batch, hq, d, device=device, dtype=torch.bfloat16)
