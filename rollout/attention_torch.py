@@ -232,7 +232,7 @@ class TorchPagedAttention:
                 layout += [*range(start, start + size), *[start] * (width - size)]
                 entries += range(g * width, g * width + size)
                 start += size
-            padded, real = torch.tensor(layout, device=device), torch.tensor(entries, device=device)
+            padded, real = host_to_device(np.array(layout), device), host_to_device(np.array(entries), device)
         lengths = np.array([length for length, _ in groups])
         positions = np.arange(lengths.max())
         beyond = positions >= lengths[:, None]

@@ -628,9 +628,9 @@ class Engine:
                 rows_with_logits.extend(range(len(ids) - c.sample_rows, len(ids)))
             lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
             positions = concat_ranges(starts, lens)
-            sample_index = torch.tensor(rows_with_logits, dtype=torch.long).to(dev, non_blocking=True)
+            sample_index = host_to_device(torch.tensor(rows_with_logits, dtype=torch.long), dev)
         out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        input_ids = host_to_device(torch.tensor(ids, dtype=torch.long), dev)
         if self._in_flight is not None and self._in_flight.tokens is not None:
             # Tokens still on the device (placeholders -1): gather them from the step in flight.
             where, rows, offset = [], [], 0
@@ -641,8 +641,8 @@ class Engine:
                     rows.append(req.pending_index)
                 offset += c.length
             if where:
-                index = torch.tensor(where, dtype=torch.long).to(dev, non_blocking=True)
-                source = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+                index = host_to_device(torch.tensor(where, dtype=torch.long), dev)
+                source = host_to_device(torch.tensor(rows, dtype=torch.long), dev)
                 input_ids[index] = self._in_flight.tokens[source]
         return ForwardBatch(
             input_ids=input_ids,

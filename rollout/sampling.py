@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from miles.models import fused
 from miles.rollout import sampling_triton
+from miles.rollout.forward_batch import host_to_device
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -94,13 +95,11 @@ class SamplingTensors:
         )
         greedy = [t == 0.0 for t in temperature]
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32).to(device, non_blocking=True),
-            top_k=torch.tensor(k, dtype=torch.int64).to(device, non_blocking=True),
-            top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
-            min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
-            uniform=torch.from_numpy(np.ascontiguousarray(uniform, dtype=np.float64)).to(
-                device, non_blocking=True
-            ),
+            temperature=host_to_device(torch.tensor(temperature, dtype=torch.float32), device),
+            top_k=host_to_device(torch.tensor(k, dtype=torch.int64), device),
+            top_p=host_to_device(torch.tensor(top_p, dtype=torch.float32), device),
+            min_p=host_to_device(torch.tensor(min_p, dtype=torch.float32), device),
+            uniform=host_to_device(np.ascontiguousarray(uniform, dtype=np.float64), device),
             any_greedy=any(greedy),
             all_greedy=all(greedy),
             any_filter=any_filter,

@@ -14,11 +14,9 @@ does not round). A NaN logit makes the row's totals NaN, as in `block_masses`.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger(__name__)
+from miles.models import fused
 
 try:
     import triton
@@ -26,7 +24,7 @@ try:
 except ImportError:  # CPU-only installs: the compiled `block_masses` runs instead
     triton = None  # type: ignore[assignment]
 
-_disabled = False
+kernel = fused.KernelSwitch("sampler block kernel", "using torch.compile")
 _BLOCKS_PER_PROGRAM = 4
 
 if triton is not None:
@@ -60,7 +58,7 @@ if triton is not None:
 
 
 def applies(logits: torch.Tensor) -> bool:
-    return triton is not None and not _disabled and logits.is_cuda and logits.dim() == 2
+    return triton is not None and kernel.on and logits.is_cuda and logits.dim() == 2
 
 
 def block_masses_kernel(
@@ -99,14 +97,4 @@ def block_masses_or_none(
     logits: torch.Tensor, temperature: torch.Tensor, block: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernel's result where it applies and compiles; None sends the caller to the compiled function."""
-    global _disabled
-    if not applies(logits):
-        return None
-    try:
-        return block_masses_kernel(logits, temperature, block)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as err:  # no Triton compiler here: the compiled function computes the same totals
-        _disabled = True
-        log.warning("sampler block kernel unavailable (%s: %s); using torch.compile", type(err).__name__, err)
-        return None
+    return kernel.run(block_masses_kernel, logits, temperature, block) if applies(logits) else None

@@ -50,6 +50,34 @@ def test_a_failed_compile_falls_back_to_eager_once(
     assert "fused kernels unavailable" in caplog.text
 
 
+def test_a_kernel_switch_turns_off_after_one_failure_but_not_for_out_of_memory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Triton kernel that cannot run here fails once, warns once, and is not tried again (its callers take
+    the fallback); running out of memory is raised to the caller and leaves the kernel on."""
+    calls: list[str] = []
+
+    def kernel(kind: str, scale: int = 1) -> int:
+        calls.append(kind)
+        if kind == "oom":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        if kind == "broken":
+            raise RuntimeError("no Triton compiler")
+        return 7 * scale
+
+    switch = fused.KernelSwitch("test kernel", "using the eager function")
+    assert switch.run(kernel, "ok", scale=2) == 14
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        switch.run(kernel, "oom")
+    assert switch.on
+    with caplog.at_level(logging.WARNING, logger="miles.models.fused"):
+        assert switch.run(kernel, "broken") is None
+        assert switch.run(kernel, "ok") is None
+    assert not switch.on and calls == ["ok", "oom", "broken"]
+    assert caplog.text.count("test kernel unavailable (RuntimeError: no Triton compiler)") == 1
+    assert "using the eager function" in caplog.text
+
+
 def test_add_rms_norm_is_the_residual_add_then_the_norm() -> None:
     x, delta, w = torch.randn(5, 32), torch.randn(5, 32), torch.randn(32)
     total, normed = fused.add_rms_norm(x, delta, w, 1e-6)

@@ -277,7 +277,7 @@ def test_fused_kernels_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> 
     )
     # The engine's forwards (eager prefill, graph-captured decode) took the q/k Triton kernel, with the KV
     # write folded in, and kept it.
-    assert kernel_calls and all(kernel_calls) and not fused_norm_rope._disabled
+    assert kernel_calls and all(kernel_calls) and fused_norm_rope.kernel.on
 
 
 def test_speculative_decoding_on_cuda_matches_plain_decoding() -> None:
@@ -535,7 +535,7 @@ def test_compiled_sampler_draws_what_the_eager_one_draws(monkeypatch: pytest.Mon
     )
     with fused.fused_kernels():
         compiled = sample(logits, params)
-    assert kernel_calls and not sampling_triton._disabled and not fused._failed  # totals from the kernel
+    assert kernel_calls and sampling_triton.kernel.on and not fused._failed  # totals from the kernel
     assert torch.equal(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-4)
 
@@ -655,10 +655,10 @@ def test_padding_rows_get_an_expert_when_the_fused_experts_fail(monkeypatch: pyt
         reference = block(x[:real], RoutingTrace())  # eager router, grouped experts
     with torch.no_grad(), fused.fused_kernels():
         monkeypatch.setattr(fused_moe, "experts_forward", broken)
-        monkeypatch.setattr(fused_moe, "_disabled", False)
+        monkeypatch.setattr(fused_moe.kernels, "on", True)
         trace = RoutingTrace(valid_rows=torch.tensor([real], dtype=torch.int32, device="cuda"))
         out = block(x, trace)
-    assert fused_moe._disabled, "the failure turned the fused kernels off"
+    assert not fused_moe.kernels.on, "the failure turned the fused kernels off"
     assert (trace.recorded[0][real:] == block.num_experts).all()
     torch.testing.assert_close(out[:real], reference)  # bf16 tolerance: the routers' exp may round apart
 

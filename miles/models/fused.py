@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,3 +129,27 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
         _failed = True
         log.warning("fused kernels unavailable (%s: %s); running the eager ones", type(err).__name__, err)
         return result
+
+
+@dataclass
+class KernelSwitch:
+    """On/off state of a hand-written Triton kernel. The first error it raises (other than running out of
+    memory, which is the caller's to handle) turns it off for the rest of the process with one warning, and
+    its callers run the compiled or eager function that computes the same thing instead."""
+
+    name: str
+    fallback: str
+    on: bool = True
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """fn(*args, **kwargs), or None once the kernel has failed (now or before)."""
+        if not self.on:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # e.g. no Triton compiler here
+            self.on = False
+            log.warning("%s unavailable (%s: %s); %s", self.name, type(err).__name__, err, self.fallback)
+            return None

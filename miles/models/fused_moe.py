@@ -23,12 +23,11 @@ and the outputs were bit-identical in every `miles bench moe` case.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from miles.models import fused
 
 try:
     import triton
@@ -36,20 +35,13 @@ try:
 except ImportError:  # CPU-only installs: the eager experts run instead
     triton = None  # type: ignore[assignment]
 
-_disabled = False
 # `tl.histogram(..., mask=)` arrived in Triton 3.4 (torch 2.8); older stacks use the grouped GEMMs.
 _NEW_ENOUGH = triton is not None and tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 4)
+kernels = fused.KernelSwitch("fused MoE kernels", "running the grouped GEMMs")
 
 
 def available() -> bool:
-    return _NEW_ENOUGH and not _disabled
-
-
-def disable(err: Exception) -> None:
-    """Turn the kernels off for this process after an error only they have (e.g. Triton cannot compile)."""
-    global _disabled
-    _disabled = True
-    log.warning("fused MoE kernels unavailable (%s: %s); running the grouped GEMMs", type(err).__name__, err)
+    return _NEW_ENOUGH and kernels.on
 
 
 @dataclass(frozen=True)

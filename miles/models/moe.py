@@ -79,16 +79,13 @@ class SparseMoeBlock(nn.Module):
         """(gating weights [N, k] in x's dtype, expert ids [N, k], whether padding rows got id E: the fused
         router with `routing.valid_rows` set)."""
         if (routing is None or routing.replay is None) and self.experts.fused(x, x.shape[0] * self.top_k):
-            try:
-                valid = routing.valid_rows if routing is not None else None
-                weights, chosen = fused_moe.route(
-                    router_logits, self.top_k, self.norm_topk_prob, x.dtype, valid_rows=valid
-                )
-            except torch.cuda.OutOfMemoryError:
-                raise
-            except Exception as err:  # Triton cannot compile here: the eager router computes the same thing
-                fused_moe.disable(err)
-            else:
+            valid = routing.valid_rows if routing is not None else None
+            # None: the kernel failed (Triton cannot compile here); the eager router computes the same.
+            routed = fused_moe.kernels.run(
+                fused_moe.route, router_logits, self.top_k, self.norm_topk_prob, x.dtype, valid_rows=valid
+            )
+            if routed is not None:
+                weights, chosen = routed
                 if routing is not None and routing.record:
                     routing.recorded.append(chosen)
                 return weights, chosen, valid is not None
@@ -163,15 +160,10 @@ class Experts(nn.Module):
         """[N, k, H] weighted outputs per slot from the fused kernels, or None where they do not apply."""
         if not self.fused(x, chosen.numel()):
             return None
-        try:
-            return fused_moe.experts_forward(
-                x, self.gate_up_proj, self.down_proj, chosen, weights, sum_slots=False
-            )
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as err:  # Triton cannot compile here: the grouped GEMMs compute the same function
-            fused_moe.disable(err)
-            return None
+        # None also where the kernels fail: the grouped GEMMs compute the same function.
+        return fused_moe.kernels.run(
+            fused_moe.experts_forward, x, self.gate_up_proj, self.down_proj, chosen, weights, sum_slots=False
+        )
 
     def fused(self, x: torch.Tensor, num_pairs: int) -> bool:
         """The engine's decode-sized forwards on CUDA (not the trainer's: the Triton kernels have no backward)."""
