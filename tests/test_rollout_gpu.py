@@ -571,29 +571,30 @@ def test_sampler_block_kernel_matches_the_eager_totals(dtype: torch.dtype) -> No
     torch.testing.assert_close(share, ref_share, rtol=1e-5, atol=1e-7)
 
 
-def test_fused_moe_layout_groups_pairs_by_expert() -> None:
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block"), [(97, 12, 3, 16), (1100, 128, 8, 64)])
+def test_fused_moe_layout_groups_pairs_by_expert(tokens: int, experts: int, top_k: int, block: int) -> None:
     """Each row block holds one expert's pairs in pair order, padding rows are marked, and every pair
-    appears exactly once."""
+    appears exactly once: with all pairs in one chunk of the align kernel, and (8,800 pairs) over several."""
     from miles.models import fused_moe
 
     torch.manual_seed(0)
-    chosen = torch.rand(97, 12, device="cuda").topk(3, dim=-1).indices
-    chosen[:40, 0] = 5  # one expert well over a block
-    layout = fused_moe.align(chosen, 12, 16)
+    chosen = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
+    chosen[: tokens * 2 // 5, 0] = 5  # one expert well over a block
+    layout = fused_moe.align(chosen, experts, block)
     pairs = chosen.numel()
     total = int(layout.total)
     rows = layout.sorted_pairs[:total].cpu()
-    blocks = layout.block_expert[: total // 16].cpu()
+    blocks = layout.block_expert[: total // block].cpu()
     flat = chosen.reshape(-1).cpu()
     real = rows[rows < pairs]
     assert sorted(real.tolist()) == list(range(pairs))
-    counts = torch.bincount(flat, minlength=12)
-    assert total == int(((counts + 15) // 16 * 16).sum())
+    counts = torch.bincount(flat, minlength=experts)
+    assert total == int(((counts + block - 1) // block * block).sum())
     for b, expert in enumerate(blocks.tolist()):
-        block = rows[16 * b : 16 * (b + 1)]
-        block = block[block < pairs]
-        assert (flat[block] == expert).all()
-        assert torch.equal(block, block.sort().values)
+        rows_of_block = rows[block * b : block * (b + 1)]
+        rows_of_block = rows_of_block[rows_of_block < pairs]
+        assert (flat[rows_of_block] == expert).all()
+        assert torch.equal(rows_of_block, rows_of_block.sort().values)
     assert blocks.tolist() == sorted(blocks.tolist())
 
 

@@ -76,6 +76,17 @@ def pick(configs: list[tuple[float, TileConfig]], pairs_per_expert: float) -> Ti
 
 if triton is not None:
 
+    @triton.jit
+    def _expert_rows(counts, e, total_ptr, BINS: tl.constexpr, BM: tl.constexpr):
+        """(first row, pairs, padded rows) of expert e, each expert's run padded to a multiple of BM."""
+        padded = (counts + BM - 1) // BM * BM
+        mine = tl.arange(0, BINS) == e
+        my_padded = tl.sum(tl.where(mine, padded, 0))
+        my_start = tl.sum(tl.where(mine, tl.cumsum(padded, 0), 0)) - my_padded
+        if e == 0:
+            tl.store(total_ptr, tl.sum(padded))
+        return my_start, tl.sum(tl.where(mine, counts, 0)), my_padded
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _align_kernel(
         expert_ptr,  # [P] expert id of each (token, slot) pair
@@ -87,34 +98,34 @@ if triton is not None:
         BINS: tl.constexpr,  # NUM_EXPERTS rounded up to a power of two
         BM: tl.constexpr,
         CHUNK: tl.constexpr,
+        ONE_CHUNK: tl.constexpr,  # num_pairs <= CHUNK: the ids are loaded once, for the counts and the ranks
     ):
         e = tl.program_id(0)
-        bins = tl.arange(0, BINS)
         # Every program counts all experts (the pairs are few) so no second launch is needed for offsets.
-        counts = tl.zeros([BINS], dtype=tl.int32)
-        for start in range(0, num_pairs, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32)
-            # Ids outside [0, NUM_EXPERTS) are left out (their pairs are never computed) rather than counted
-            # into a bin no program fills, which would leave unwritten rows inside `total`.
-            valid = (offs < num_pairs) & (ids >= 0) & (ids < NUM_EXPERTS)
-            counts += tl.histogram(ids, BINS, mask=valid)
-        padded = (counts + BM - 1) // BM * BM
-        ends = tl.cumsum(padded, 0)
-        mine = bins == e
-        my_padded = tl.sum(tl.where(mine, padded, 0))
-        my_count = tl.sum(tl.where(mine, counts, 0))
-        my_start = tl.sum(tl.where(mine, ends, 0)) - my_padded
-        if e == 0:
-            tl.store(total_ptr, tl.sum(padded))
-        seen = 0
-        for start in range(0, num_pairs, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
+        # Ids outside [0, NUM_EXPERTS) are left out (their pairs are never computed) rather than counted into
+        # a bin no program fills, which would leave unwritten rows inside `total`.
+        if ONE_CHUNK:
+            offs = tl.arange(0, CHUNK)
             ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+            counts = tl.histogram(ids, BINS, mask=(ids >= 0) & (ids < NUM_EXPERTS))
+            my_start, my_count, my_padded = _expert_rows(counts, e, total_ptr, BINS, BM)
             hit = ids == e
-            rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
-            tl.store(sorted_pairs_ptr + my_start + rank, offs, mask=hit)
-            seen += tl.sum(hit.to(tl.int32))
+            tl.store(sorted_pairs_ptr + my_start + tl.cumsum(hit.to(tl.int32), 0) - 1, offs, mask=hit)
+        else:
+            counts = tl.zeros([BINS], dtype=tl.int32)
+            for start in range(0, num_pairs, CHUNK):
+                offs = start + tl.arange(0, CHUNK)
+                ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+                counts += tl.histogram(ids, BINS, mask=(ids >= 0) & (ids < NUM_EXPERTS))
+            my_start, my_count, my_padded = _expert_rows(counts, e, total_ptr, BINS, BM)
+            seen = 0
+            for start in range(0, num_pairs, CHUNK):
+                offs = start + tl.arange(0, CHUNK)
+                ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+                hit = ids == e
+                rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
+                tl.store(sorted_pairs_ptr + my_start + rank, offs, mask=hit)
+                seen += tl.sum(hit.to(tl.int32))
         pad = tl.arange(0, BM)
         tl.store(sorted_pairs_ptr + my_start + my_count + pad, num_pairs, mask=pad < my_padded - my_count)
         for b in range(0, my_padded // BM):
@@ -333,6 +344,8 @@ def align(chosen: torch.Tensor, num_experts: int, block_m: int) -> Layout:
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
+    # One chunk holds a decode step's pairs (1,024 tokens x top-8); prefill-sized calls loop over chunks.
+    chunk = min(8192, max(16, triton.next_power_of_2(num_pairs)))
     _align_kernel[(num_experts,)](
         chosen.reshape(-1),
         sorted_pairs,
@@ -342,8 +355,9 @@ def align(chosen: torch.Tensor, num_experts: int, block_m: int) -> Layout:
         NUM_EXPERTS=num_experts,
         BINS=triton.next_power_of_2(num_experts),
         BM=block_m,
-        CHUNK=min(2048, max(16, triton.next_power_of_2(num_pairs))),
-        num_warps=8,
+        CHUNK=chunk,
+        ONE_CHUNK=num_pairs <= chunk,
+        num_warps=16 if chunk >= 4096 else 8,
     )
     return Layout(sorted_pairs, block_expert, total, block_m)
 
