@@ -14,6 +14,8 @@ does not round). A NaN logit makes the row's totals NaN, as in `block_masses`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from miles.models import fused
@@ -24,7 +26,8 @@ try:
 except ImportError:  # CPU-only installs: the compiled `block_masses` runs instead
     triton = None  # type: ignore[assignment]
 
-kernel = fused.KernelSwitch("sampler block kernel", "using torch.compile")
+log = logging.getLogger(__name__)
+kernel = fused.KernelSwitch("sampler block kernel", "using torch.compile", log)
 _BLOCKS_PER_PROGRAM = 4
 
 if triton is not None:

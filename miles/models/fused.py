@@ -5,6 +5,10 @@ large-batch decode step those kernels read and write [batch, hidden] tensors man
 quarter of the step. Inside `fused_kernels()` the same functions run through `torch.compile`, which turns
 each chain into one Triton kernel with the same math. The rollout engine switches it on for its own
 forwards on CUDA; everything else (the trainer, CPU) runs the eager functions.
+
+`KernelSwitch` is the on/off state of each hand-written Triton kernel (`fused_moe`, `fused_norm_rope`,
+`rollout.sampling_triton`): the first failure turns that kernel off and its callers fall back to these
+functions (or the grouped GEMMs).
 """
 
 from __future__ import annotations
@@ -139,6 +143,8 @@ class KernelSwitch:
 
     name: str
     fallback: str
+    logger: logging.Logger = log
+    """The kernel module's own, so its warning can be filtered like its other messages."""
     on: bool = True
 
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
@@ -151,5 +157,7 @@ class KernelSwitch:
             raise
         except Exception as err:  # e.g. no Triton compiler here
             self.on = False
-            log.warning("%s unavailable (%s: %s); %s", self.name, type(err).__name__, err, self.fallback)
+            self.logger.warning(
+                "%s unavailable (%s: %s); %s", self.name, type(err).__name__, err, self.fallback
+            )
             return None

@@ -23,6 +23,7 @@ and the outputs were bit-identical in every `miles bench moe` case.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,8 @@ except ImportError:  # CPU-only installs: the eager experts run instead
 
 # `tl.histogram(..., mask=)` arrived in Triton 3.4 (torch 2.8); older stacks use the grouped GEMMs.
 _NEW_ENOUGH = triton is not None and tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 4)
-kernels = fused.KernelSwitch("fused MoE kernels", "running the grouped GEMMs")
+log = logging.getLogger(__name__)
+kernels = fused.KernelSwitch("fused MoE kernels", "running the grouped GEMMs", log)
 
 
 def available() -> bool:
@@ -77,15 +79,23 @@ def pick(configs: list[tuple[float, TileConfig]], pairs_per_expert: float) -> Ti
 if triton is not None:
 
     @triton.jit
-    def _expert_rows(counts, e, total_ptr, BINS: tl.constexpr, BM: tl.constexpr):
-        """(first row, pairs, padded rows) of expert e, each expert's run padded to a multiple of BM."""
-        padded = (counts + BM - 1) // BM * BM
-        mine = tl.arange(0, BINS) == e
-        my_padded = tl.sum(tl.where(mine, padded, 0))
-        my_start = tl.sum(tl.where(mine, tl.cumsum(padded, 0), 0)) - my_padded
-        if e == 0:
-            tl.store(total_ptr, tl.sum(padded))
-        return my_start, tl.sum(tl.where(mine, counts, 0)), my_padded
+    def _chunk_ids(expert_ptr, start, num_pairs, NUM_EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
+        """(pair indices, expert ids) of one chunk of pairs; lanes past the end get id NUM_EXPERTS."""
+        offs = start + tl.arange(0, CHUNK)
+        return offs, tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+
+    @triton.jit
+    def _count(ids, BINS: tl.constexpr, NUM_EXPERTS: tl.constexpr):
+        # Ids outside [0, NUM_EXPERTS) are left out (their pairs are never computed) rather than counted into
+        # a bin no program fills, which would leave unwritten rows inside `total`.
+        return tl.histogram(ids, BINS, mask=(ids >= 0) & (ids < NUM_EXPERTS))
+
+    @triton.jit
+    def _store_ranks(dst_ptr, offs, ids, e):
+        """Store the chunk's pairs of expert e, in pair order, from dst_ptr on; returns how many there were."""
+        hit = (ids == e).to(tl.int32)
+        tl.store(dst_ptr + tl.cumsum(hit, 0) - 1, offs, mask=hit > 0)
+        return tl.sum(hit)
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _align_kernel(
@@ -102,30 +112,29 @@ if triton is not None:
     ):
         e = tl.program_id(0)
         # Every program counts all experts (the pairs are few) so no second launch is needed for offsets.
-        # Ids outside [0, NUM_EXPERTS) are left out (their pairs are never computed) rather than counted into
-        # a bin no program fills, which would leave unwritten rows inside `total`.
         if ONE_CHUNK:
-            offs = tl.arange(0, CHUNK)
-            ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
-            counts = tl.histogram(ids, BINS, mask=(ids >= 0) & (ids < NUM_EXPERTS))
-            my_start, my_count, my_padded = _expert_rows(counts, e, total_ptr, BINS, BM)
-            hit = ids == e
-            tl.store(sorted_pairs_ptr + my_start + tl.cumsum(hit.to(tl.int32), 0) - 1, offs, mask=hit)
+            offs, ids = _chunk_ids(expert_ptr, 0, num_pairs, NUM_EXPERTS, CHUNK)
+            counts = _count(ids, BINS, NUM_EXPERTS)
         else:
             counts = tl.zeros([BINS], dtype=tl.int32)
             for start in range(0, num_pairs, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
-                counts += tl.histogram(ids, BINS, mask=(ids >= 0) & (ids < NUM_EXPERTS))
-            my_start, my_count, my_padded = _expert_rows(counts, e, total_ptr, BINS, BM)
+                offs, ids = _chunk_ids(expert_ptr, start, num_pairs, NUM_EXPERTS, CHUNK)
+                counts += _count(ids, BINS, NUM_EXPERTS)
+        # Each expert's run starts where the previous one's, padded to a multiple of BM, ends.
+        padded = (counts + BM - 1) // BM * BM
+        mine = tl.arange(0, BINS) == e
+        my_padded = tl.sum(tl.where(mine, padded, 0))
+        my_count = tl.sum(tl.where(mine, counts, 0))
+        my_start = tl.sum(tl.where(mine, tl.cumsum(padded, 0), 0)) - my_padded
+        if e == 0:
+            tl.store(total_ptr, tl.sum(padded))
+        if ONE_CHUNK:
+            _store_ranks(sorted_pairs_ptr + my_start, offs, ids, e)
+        else:
             seen = 0
             for start in range(0, num_pairs, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                ids = tl.load(expert_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
-                hit = ids == e
-                rank = seen + tl.cumsum(hit.to(tl.int32), 0) - 1
-                tl.store(sorted_pairs_ptr + my_start + rank, offs, mask=hit)
-                seen += tl.sum(hit.to(tl.int32))
+                offs, ids = _chunk_ids(expert_ptr, start, num_pairs, NUM_EXPERTS, CHUNK)
+                seen += _store_ranks(sorted_pairs_ptr + my_start + seen, offs, ids, e)
         pad = tl.arange(0, BM)
         tl.store(sorted_pairs_ptr + my_start + my_count + pad, num_pairs, mask=pad < my_padded - my_count)
         for b in range(0, my_padded // BM):
@@ -186,6 +195,14 @@ if triton is not None:
         tl.store(weights_ptr + offs, picked.to(weights_ptr.dtype.element_ty), mask=out_mask)
         tl.store(chosen_ptr + offs, ids, mask=out_mask)
 
+    @triton.jit
+    def _block_pairs(block, block_expert_ptr, sorted_pairs_ptr, num_pairs, BM: tl.constexpr):
+        """(expert, pair ids [BM], which of them are real pairs) of a row block in use: the prologue of both
+        expert kernels."""
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
+        return expert, pair, (pair >= 0) & (pair < num_pairs)
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _gate_up_kernel(
         x_ptr,  # [T, K] token rows
@@ -211,12 +228,10 @@ if triton is not None:
         block, tile_n = pid // tiles_n, pid % tiles_n
         if block * BM >= tl.load(total_ptr):
             return
-        expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
-        real = (pair >= 0) & (pair < num_pairs)
-        token = (pair // top_k).to(tl.int64)
+        expert, pair, real = _block_pairs(block, block_expert_ptr, sorted_pairs_ptr, num_pairs, BM)
         cols = tile_n * BN + tl.arange(0, BN)
         col_ok = cols < N
+        token = (pair // top_k).to(tl.int64)
         ks = tl.arange(0, BK)
         a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
         g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
@@ -266,12 +281,10 @@ if triton is not None:
         block, tile_n = pid // tiles_n, pid % tiles_n
         if block * BM >= tl.load(total_ptr):
             return
-        expert = tl.load(block_expert_ptr + block).to(tl.int64)
-        pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
-        real = (pair >= 0) & (pair < num_pairs)
-        rows = pair.to(tl.int64)
+        expert, pair, real = _block_pairs(block, block_expert_ptr, sorted_pairs_ptr, num_pairs, BM)
         cols = tile_n * BN + tl.arange(0, BN)
         col_ok = cols < N
+        rows = pair.to(tl.int64)
         ks = tl.arange(0, BK)
         a_ptrs = h_ptr + rows[:, None] * stride_h + ks[None, :]
         w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]

@@ -17,6 +17,7 @@ narrowed or fused.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -30,9 +31,13 @@ try:
 except ImportError:  # CPU-only installs: the compiled or eager functions run instead
     triton = None  # type: ignore[assignment]
 
-kernel = fused.KernelSwitch("q/k norm+RoPE kernel", "using torch.compile")
-# Its own switch: a failure of the KV-writing variant leaves the plain kernel on.
-kv_write_kernel = fused.KernelSwitch("q/k kernel with the KV write", "writing the cache through `attend`")
+log = logging.getLogger(__name__)
+kernel = fused.KernelSwitch("q/k norm+RoPE kernel", "using torch.compile", log)
+# Its own switch: a failure of the KV-writing variant leaves the plain kernel on (not the reverse: the
+# variant needs the plain kernel's `applies`).
+kv_write_kernel = fused.KernelSwitch(
+    "q/k kernel with the KV write", "writing the cache through `attend`", log
+)
 
 
 if triton is not None:
