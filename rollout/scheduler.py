@@ -109,13 +109,14 @@ class Scheduler:
         those tokens first (a request retracted meanwhile would finish outside the running set)."""
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
-        if sum(1 + len(r.draft) for r in self._decoding()) > self.cfg.max_batch_tokens:
+        decoding = self._decoding()
+        if sum(1 + len(r.draft) for r in decoding) > self.cfg.max_batch_tokens:
             for r in self.running:  # before making room: drafts that cannot run must not evict cache
                 r.draft = []
-        if not self._make_room_for_decodes(plan, in_flight):
+        room = self._make_room_for_decodes(plan, in_flight, decoding)
+        if room is None:
             return plan  # nothing runs until the step in flight is read and its finished requests leave
-        decoding = self._decoding()
-        self._planned = sum(self._decode_pages(r) for r in decoding) * self.kv.page_size
+        decoding, self._planned = room
         plan.chunks.extend(Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft)) for r in decoding)
         budget = self.cfg.max_batch_tokens - sum(c.length for c in plan.chunks)
         in_batch: list[Request] = []
@@ -146,36 +147,38 @@ class Scheduler:
             length = min(length // 2, length - 1)
         return 0
 
-    def _decode_pages(self, req: Request) -> int:
-        return self.kv.pages_needed(req, 1 + len(req.draft))
-
     def _decoding(self) -> list[Request]:
         # With overlap scheduling a request whose last allowed token is still in flight is running but done.
         return [r for r in self.running if r.is_decoding and r.can_grow]
 
-    def _make_room_for_decodes(self, plan: StepPlan, in_flight: bool) -> bool:
-        """Free a slot for every decoding request, retracting requests while the pool is short.
+    def _make_room_for_decodes(
+        self, plan: StepPlan, in_flight: bool, decoding: list[Request]
+    ) -> tuple[list[Request], int] | None:
+        """Free a slot for every decoding request, retracting requests while the pool is short; returns the
+        decoding requests and the slots they take.
 
-        False (plan nothing, wait a step) when the pool is short while a step is in flight, or only until
+        None (plan nothing, wait a step) when the pool is short while a step is in flight, or only until
         requests whose last token is in flight finish.
         """
+        pages_needed, page_size = self.kv.pages_needed, self.kv.page_size
         while True:
-            needed = sum(self._decode_pages(r) for r in self._decoding()) * self.kv.page_size
+            needed = sum(pages_needed(r, 1 + len(r.draft)) for r in decoding) * page_size
             if self.kv.ensure_free(needed):
-                return True
+                return decoding, needed
             if any(r.draft for r in self.running):  # drafts are optional: drop them before retracting
                 for r in self.running:
                     r.draft = []
                 continue
             if in_flight or not all(r.can_grow for r in self.running):
-                return False
+                return None
             self.new_token_ratio = 1.0
             if len(self.running) == 1:  # alone and still short: the pool cannot hold this request
                 self._fail(self.running[0], plan)
-                return True
+                return [], 0
             # The request that loses least work: fewest generated tokens, then longest prompt.
             victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
             self._retract(victim, plan)
+            decoding = self._decoding()
 
     def _retract(self, req: Request, plan: StepPlan) -> None:
         self.kv.release(req)
