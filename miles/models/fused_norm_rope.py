@@ -220,7 +220,7 @@ def cache_fits(qk: torch.Tensor, v: torch.Tensor, num_q_heads: int, kv_write: KV
         and kv_write.k_cache.shape == kv_write.v_cache.shape
         and kv_write.slots.device == qk.device
         and v.dtype == qk.dtype
-        and v.shape == (num_tokens, heads - num_q_heads, dim)
+        and v.shape == (num_tokens, num_kv_heads, dim)
         and v.stride(-1) == 1
         and kv_write.slots.shape == (num_tokens,)
         and not kv_write.slots.is_floating_point()
