@@ -155,20 +155,23 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Te
     then a token inside that block. Neither level ever picks a zero-probability block or token.
     """
     rows, vocab = weights.shape
-    pad = (-vocab) % _CDF_BLOCK
+    # A vocabulary smaller than a block is one block of its own size: padding it to 1024 would make the
+    # float64 copy and the inner cumsum several times larger than the weights (101 tokens for the char model).
+    size = min(_CDF_BLOCK, vocab)
+    pad = (-vocab) % size
     probs = torch.empty(rows, vocab + pad, dtype=torch.float64, device=weights.device)
     probs[:, :vocab] = weights  # one float64 copy, padded, that the sums below share
     if pad:
         probs[:, vocab:] = 0.0
-    blocks = probs.view(rows, -1, _CDF_BLOCK)
+    blocks = probs.view(rows, -1, size)
     mass = blocks.sum(dim=-1)
     cdf = torch.cumsum(mass, dim=-1)
     target = uniform[:, None] * cdf[:, -1:]
     block = _draw(cdf, target)
     inside = target - (cdf.gather(-1, block) - mass.gather(-1, block))
     flat = torch.arange(rows, device=probs.device) * blocks.shape[1] + block.squeeze(-1)
-    inner_cdf = torch.cumsum(blocks.view(-1, _CDF_BLOCK).index_select(0, flat), dim=-1)
-    token = (block * _CDF_BLOCK + _draw(inner_cdf, inside)).squeeze(-1)
+    inner_cdf = torch.cumsum(blocks.view(-1, size).index_select(0, flat), dim=-1)
+    token = (block * size + _draw(inner_cdf, inside)).squeeze(-1)
     return token.clamp_(max=vocab - 1), cdf[:, -1]  # the clamp only ever moves NaN rows out of the padding
 
 
