@@ -86,6 +86,14 @@ def add_slot_sum(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x + total.to(x.dtype)
 
 
+def add_slot_sum_rms_norm(
+    x: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + the slot sum, its norm): a MoE layer's residual add (`add_slot_sum`) and the next norm."""
+    x = add_slot_sum(x, slots)
+    return x, rms_norm(x, weight, eps)
+
+
 _enabled = False
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 _failed = False

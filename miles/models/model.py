@@ -35,16 +35,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        pending: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionContext,
         routing: RoutingTrace | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on x + `pending` (the previous layer's MLP output, not yet added); returns the residual
+        stream and this layer's MLP output, which the next layer (or the final norm) adds in the same kernel
+        as its norm. A MoE layer's output may be its [N, top_k, H] per-slot outputs, summed there too."""
+        x, h = add_pending_norm(x, pending, self.input_layernorm)
         norm = self.post_attention_layernorm
-        delta = self.self_attn(self.input_layernorm(x), rope, attn)
+        delta = self.self_attn(h, rope, attn)
         x, h = fused.call(fused.add_rms_norm, x, delta, norm.weight, norm.eps)
         if self.is_moe:
-            return self.mlp(h, routing, residual=x)
-        return x + self.mlp(h)
+            return x, self.mlp.delta(h, routing)
+        return x, self.mlp(h)
+
+
+def add_pending_norm(
+    x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + pending, its norm) in one fused call; `pending` is [N, H], a MoE layer's [N, top_k, H] slots
+    (summed in float32 and rounded once, as a separate sum would), or None (the first layer)."""
+    if pending is None:
+        return x, fused.call(fused.rms_norm, x, norm.weight, norm.eps)
+    if pending.dim() == 3:
+        return fused.call(fused.add_slot_sum_rms_norm, x, pending, norm.weight, norm.eps)
+    return fused.call(fused.add_rms_norm, x, pending, norm.weight, norm.eps)
 
 
 class Backbone(nn.Module):
@@ -87,9 +104,10 @@ class CausalLM(nn.Module):
         """The core forward: N tokens of any number of sequences, flattened ([N] ids, [N] positions)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb(positions, x.dtype)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, rope, attn, routing)
-        hidden = self.model.norm(x)
+            x, pending = layer(x, pending, rope, attn, routing)
+        _, hidden = add_pending_norm(x, pending, self.model.norm)
         recorded = routing.stacked() if routing is not None and routing.record and routing.recorded else None
         return ForwardOutput(hidden=hidden, routing=recorded)
 

@@ -58,20 +58,22 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
-    def forward(
-        self, x: torch.Tensor, routing: RoutingTrace | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The layer's output for x, plus `residual` when given (added in the same kernel as the sum over
-        the top-k slots on the fused path)."""
+    def forward(self, x: torch.Tensor, routing: RoutingTrace | None = None) -> torch.Tensor:
+        """The layer's output for x: [N, H]."""
+        out = self.delta(x, routing)
+        return out.sum(dim=1) if out.dim() == 3 else out
+
+    def delta(self, x: torch.Tensor, routing: RoutingTrace | None = None) -> torch.Tensor:
+        """The layer's output for x, [N, H], or on the fused path its [N, top_k, H] weighted per-slot
+        outputs, for the caller to sum in the kernel that adds them to the residual stream."""
         weights, chosen, padding_unrouted = self.route(self.gate(x), routing, x)
         slots = self.experts.forward_slots(x, chosen, weights)
         if slots is not None:
-            return slots.sum(dim=1) if residual is None else fused.call(fused.add_slot_sum, residual, slots)
+            return slots
         if padding_unrouted:
             # The fused experts failed after the fused router ran: give padding rows a real expert.
             chosen = chosen.clamp(max=self.num_experts - 1)
-        out = self.experts(x, chosen, weights)
-        return out if residual is None else residual + out
+        return self.experts(x, chosen, weights)
 
     def route(
         self, router_logits: torch.Tensor, routing: RoutingTrace | None, x: torch.Tensor
