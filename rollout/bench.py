@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from miles.config import RolloutConfig
-from miles.models import CausalLM, ModelArgs
+from miles.models import CausalLM, ModelArgs, fused_moe
 from miles.models.checkpoint import from_pretrained, resolve_dtype
 from miles.models.presets import PRESETS, build_random_model, preset_args
 from miles.rollout.engine import Engine
@@ -410,11 +410,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--profile-start", type=int, default=300)
     p.add_argument("--profile-steps", type=int, default=8)
+    p.add_argument(
+        "--moe-configs",
+        default=None,
+        metavar="JSON",
+        help="fused-MoE tile tables to use (`miles bench moe --sweep --save-configs` writes them)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     a = parse(argv)
+    if a.moe_configs:
+        fused_moe.tables = fused_moe.load_tables(a.moe_configs)
     device = torch.device(
         "cuda"
         if a.device == "auto" and torch.cuda.is_available()
@@ -432,6 +440,9 @@ def main(argv: list[str]) -> int:
     else:
         model = from_pretrained(a.model, dtype=dtype, device=device).eval()
         args = model.args
+    # The roofline's denominator is a ceiling: the copy bandwidth is measured before the run (cold) and after
+    # it (hot) and the higher one is used. One measurement varied by 3 % between runs on one machine.
+    copy_before = measure_copy_bandwidth(device) if on_gpu else None
     cfg = RolloutConfig(
         backend=a.backend,
         max_batch_tokens=a.max_batch_tokens,
@@ -500,6 +511,7 @@ def main(argv: list[str]) -> int:
         "fused_kernels": engine.runner.fused_kernels,
         "page_size": a.page_size,
         "flashinfer_kernel": a.flashinfer_kernel if engine.backend == "flashinfer" else None,
+        "moe_configs": a.moe_configs,
         "wall_s": wall,
         "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + a.num_prompts * a.n * a.input_len) / wall,
@@ -522,7 +534,9 @@ def main(argv: list[str]) -> int:
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if on_gpu and stats.decode_steps:
-        bandwidth = measure_copy_bandwidth(device) if engine.pool.allocated else 4.3e12
+        assert copy_before is not None
+        copy_after = measure_copy_bandwidth(device) if engine.pool.allocated else copy_before
+        bandwidth = max(copy_before, copy_after)
         decoded = stats.decode_step_tokens
         avg_batch = decoded / stats.decode_steps
         kv_bytes = KVLayout.for_model(args, dtype, 1).bytes_per_token
@@ -540,6 +554,7 @@ def main(argv: list[str]) -> int:
             serial_floor_output_tokens_per_s=decoded / serial_s,
             decode_pct_of_serial_floor=100 * decode_rate * serial_s / decoded,
             copy_bandwidth_bytes_per_s=bandwidth,
+            copy_bandwidth_before_after=[copy_before, copy_after],
             avg_decode_batch=avg_batch,
             avg_decode_context=context,
             roofline_output_tokens_per_s=decoded / floor_s,
@@ -621,9 +636,11 @@ def print_table(r: dict[str, Any]) -> None:
         rows.append(
             (
                 "decode roofline tok/s (% reached)",
-                f"{r['roofline_output_tokens_per_s']:,.0f} ({r['decode_pct_of_roofline']:.0f}%)",
+                f"{r['roofline_output_tokens_per_s']:,.0f} ({r['decode_pct_of_roofline']:.1f}%)",
             )
         )
+        before, after = r["copy_bandwidth_before_after"]
+        rows.append(("copy TB/s before / after (roofline uses)", f"{before / 1e12:.2f} / {after / 1e12:.2f}"))
     if "flop_floor_output_tokens_per_s" in r:
         rows.append(
             (

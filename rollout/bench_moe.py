@@ -40,6 +40,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8, help="layers per graph (distinct weights: no L2 reuse)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile configurations")
+    p.add_argument(
+        "--grid",
+        choices=("full", "focused"),
+        default="full",
+        help="sweep grid: full (row block 16/32/64 x 72 tiles, pointer loads) or focused (the row block the "
+        "current table uses at each token count; column block 64/128/256, K block 64/128, 4 or 8 warps, "
+        "pointer or TMA loads)",
+    )
+    p.add_argument(
+        "--save-configs",
+        default="",
+        help="with --sweep: write the current tile tables with the swept ranges replaced by the fastest pair "
+        f"to this JSON file (use it with {fused_moe.TILE_CONFIGS_ENV}=PATH or bench rollout --moe-configs)",
+    )
     return p.parse_args(argv)
 
 
@@ -107,11 +121,21 @@ def grouped_mm_only(layers: MoeLayers, routed: list) -> Callable[[], None]:
     return run
 
 
-def sweep_grid() -> list[fused_moe.TileConfig]:
+def sweep_grid(grid: str, block_m: int) -> list[fused_moe.TileConfig]:
+    """The configurations `--sweep` times: `full` is the grid the defaults were chosen from; `focused` keeps
+    one row block (the one the table uses at this size) and adds wider columns and TMA weight loads."""
+    if grid == "full":
+        return [
+            fused_moe.TileConfig(bm, bn, bk, warps, stages)
+            for bm, bn, bk, warps, stages in itertools.product(
+                (16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4, 5)
+            )
+        ]
+    tma = (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,)
     return [
-        fused_moe.TileConfig(bm, bn, bk, warps, stages)
-        for bm, bn, bk, warps, stages in itertools.product(
-            (16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4, 5)
+        fused_moe.TileConfig(block_m, bn, bk, warps, stages, use_tma)
+        for bn, bk, (warps, stages), use_tma in itertools.product(
+            (64, 128, 256), (64, 128), ((4, 3), (8, 4)), tma
         )
     ]
 
@@ -148,8 +172,13 @@ def main(argv: list[str]) -> int:
                 "fused_vs_grouped_rel_err": err,
             }
             if a.sweep:
-                row["sweep"] = sweep(layers, routed, a.iters)
+                row["sweep"] = sweep(layers, routed, a.iters, a.grid, tokens)
         rows.append(row)
+    if a.sweep and a.save_configs:
+        tables = tuned_tables(layers, rows, a.iters)
+        with open(a.save_configs, "w") as f:
+            json.dump(fused_moe.tables_to_json(tables), f, indent=1)
+        print(f"tile tables written to {a.save_configs}", file=sys.stderr)
     print(
         json.dumps({"model": a.model, "copy_bandwidth_bytes_per_s": bandwidth, "results": rows}), flush=True
     )
@@ -168,23 +197,27 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def sweep(layers: MoeLayers, routed: list, iters: int) -> dict[str, Any]:
+def time_fused(layers: MoeLayers, routed: list, iters: int, **cfgs: fused_moe.TileConfig) -> float | None:
+    """ms per layer of the fused experts with these configs, or None where they do not run here."""
+    try:
+        return graph_ms(run_all(layers, routed, functools.partial(fused, **cfgs)), iters) / len(
+            layers.experts
+        )
+    except Exception as err:  # a tile too large for shared memory: skip it
+        print(f"  {cfgs}: {type(err).__name__}", file=sys.stderr)
+        return None
+
+
+def sweep(layers: MoeLayers, routed: list, iters: int, grid: str, tokens: int) -> dict[str, Any]:
     """Best configs for each kernel (the other held at its default), then the best pair per row block
     (one expert layout serves both kernels) and the best pair overall (two layouts when the blocks differ)."""
-
-    def time(**cfgs: fused_moe.TileConfig) -> float | None:
-        try:
-            return graph_ms(run_all(layers, routed, functools.partial(fused, **cfgs)), iters) / len(
-                layers.experts
-            )
-        except Exception as err:  # a tile too large for shared memory: skip it
-            print(f"  {cfgs}: {type(err).__name__}", file=sys.stderr)
-            return None
-
+    time = functools.partial(time_fused, layers, routed, iters)
+    per_expert = tokens * layers.args.num_experts_per_tok / layers.args.num_experts
     best: dict[str, Any] = {}
     ranked: dict[str, list[tuple[float, fused_moe.TileConfig]]] = {}
-    for which in ("up_cfg", "down_cfg"):
-        timed = [(ms, cfg) for cfg in sweep_grid() if (ms := time(**{which: cfg})) is not None]
+    for which, table in (("up_cfg", fused_moe.tables.gate_up), ("down_cfg", fused_moe.tables.down)):
+        configs = sweep_grid(grid, fused_moe.pick(table, per_expert).block_m)
+        timed = [(ms, cfg) for cfg in configs if (ms := time(**{which: cfg})) is not None]
         ranked[which] = sorted(timed, key=lambda t: t[0])
         best[which] = [{"ms_per_layer": ms, "config": vars(cfg)} for ms, cfg in ranked[which][:3]]
     if not ranked["up_cfg"] or not ranked["down_cfg"]:
@@ -201,6 +234,39 @@ def sweep(layers: MoeLayers, routed: list, iters: int) -> dict[str, Any]:
         if (ms := time(up_cfg=up, down_cfg=down)) is not None
     ]
     return best
+
+
+def tuned_tables(layers: MoeLayers, rows: list[dict[str, Any]], iters: int) -> fused_moe.TileTables:
+    """The current tables with each range that a swept token count falls in replaced by the candidate pair
+    (the best pairs found at any token count of that range) with the least total time over the range's
+    token counts."""
+    k, e = layers.args.num_experts_per_tok, layers.args.num_experts
+    current = fused_moe.tables
+    limits = [limit for limit, _ in current.gate_up]
+    if limits != [limit for limit, _ in current.down]:
+        raise SystemExit("--save-configs needs the gate/up and down tables to share their ranges")
+    by_range: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("sweep", {}).get("pairs"):
+            index = next(i for i, limit in enumerate(limits) if r["tokens"] * k / e <= limit)
+            by_range.setdefault(index, []).append(r)
+    gate_up, down = list(current.gate_up), list(current.down)
+    for index, members in by_range.items():
+        candidates = {
+            (fused_moe.TileConfig(**p["up"]), fused_moe.TileConfig(**p["down"]))
+            for r in members
+            for p in r["sweep"]["pairs"]
+        }
+        routings = [layers.routing(r["tokens"]) for r in members]
+        totals = {}
+        for up, dn in candidates:
+            times = [time_fused(layers, routed, iters, up_cfg=up, down_cfg=dn) for routed in routings]
+            if all(t is not None for t in times):
+                totals[(up, dn)] = sum(times)  # type: ignore[arg-type]
+        if totals:
+            up, dn = min(totals, key=totals.__getitem__)
+            gate_up[index], down[index] = (limits[index], up), (limits[index], dn)
+    return fused_moe.TileTables(gate_up=gate_up, down=down)
 
 
 if __name__ == "__main__":

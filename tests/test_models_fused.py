@@ -85,6 +85,15 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm() -> None:
     assert torch.equal(normed, fused.rms_norm(x + delta, w, 1e-6))
 
 
+def test_add_slot_sum_rms_norm_is_the_slot_sum_then_the_norm() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, slots, w = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((5, 32), (5, 8, 32), (32,)))
+    total, normed = fused.add_slot_sum_rms_norm(x, slots, w, 1e-6)
+    assert torch.equal(total, fused.add_slot_sum(x, slots))
+    torch.testing.assert_close(total, x + slots.float().sum(dim=1).bfloat16())  # summed in float32
+    assert torch.equal(normed, fused.rms_norm(total, w, 1e-6))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rope_is_each_heads_norm_then_rope(dtype: torch.dtype) -> None:
     """q and k normed and rotated side by side give exactly what the two separate calls give."""
@@ -157,3 +166,32 @@ def test_qk_norm_rope_dispatch_off_cuda_and_the_layouts_the_kernel_takes(
             fused_norm_rope.qk_norm_rope_into_cache(qk, v, wq, wk, attn.num_heads, 1e-6, cos, sin, write)
             is None
         )
+
+
+def test_moe_tile_tables_round_trip_through_json_and_bad_files_say_what_is_wrong(tmp_path) -> None:
+    import json
+
+    from miles.models import fused_moe
+
+    path = tmp_path / "tiles.json"
+    tuned = fused_moe.TileTables(
+        gate_up=[
+            (12.0, fused_moe.TileConfig(32, 128, 64, 8, 4, True)),
+            *fused_moe.DEFAULT_TABLES.gate_up[2:],
+        ],
+        down=[(12.0, fused_moe.TileConfig(16, 256, 64, 4, 3)), *fused_moe.DEFAULT_TABLES.down[2:]],
+    )
+    path.write_text(json.dumps(fused_moe.tables_to_json(tuned)))
+    loaded = fused_moe.load_tables(str(path))
+    assert loaded == tuned
+    assert fused_moe.pick(loaded.gate_up, 12.0).tma and not fused_moe.pick(loaded.gate_up, 12.5).tma
+    bad = fused_moe.tables_to_json(tuned)
+    bad["down"][-1]["max_pairs_per_expert"] = 99.0  # no entry for larger batches
+    with pytest.raises(ValueError, match="end with null"):
+        fused_moe.tables_from_json(bad, "tiles.json")
+    bad = fused_moe.tables_to_json(tuned)
+    bad["gate_up"][0]["block_size"] = 16
+    with pytest.raises(ValueError, match="block_size"):
+        fused_moe.tables_from_json(bad, "tiles.json")
+    with pytest.raises(ValueError, match="'down'"):
+        fused_moe.tables_from_json({"gate_up": fused_moe.tables_to_json(tuned)["gate_up"]}, "tiles.json")

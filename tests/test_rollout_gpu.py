@@ -7,6 +7,8 @@ two picks are a near-tie under a reference forward; before that, tokens must mat
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,6 +250,7 @@ def test_fused_kernels_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> 
         (fused.add_rms_norm, (x[:, 0], x[:, 1], w, 1e-6)),
         (fused.silu_mul, (x, x.flip(0))),
         (fused.add_slot_sum, (x[:, 0], x[:, :4])),
+        (fused.add_slot_sum_rms_norm, (x[:, 0], x[:, :4], w, 1e-6)),
     ]
     for fn, args in cases:
         eager = fn(*args)
@@ -662,6 +665,93 @@ def test_padding_rows_get_an_expert_when_the_fused_experts_fail(monkeypatch: pyt
     assert not fused_moe.kernels.on, "the failure turned the fused kernels off"
     assert (trace.recorded[0][real:] == block.num_experts).all()
     torch.testing.assert_close(out[:real], reference)  # bf16 tolerance: the routers' exp may round apart
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize(("tokens", "experts", "hidden", "inter"), [(523, 128, 2048, 768), (37, 60, 320, 96)])
+def test_fused_moe_tile_variants_agree(tokens: int, experts: int, hidden: int, inter: int, tma: bool) -> None:
+    """Column blocks wider than the layer (320 / 96 wide), 256-wide tiles and TMA weight loads compute what
+    the default tiles compute: TMA only changes how the weight tiles reach shared memory, so its result
+    should equal the pointer loads' of the same tile (both accumulate over K in the same order)."""
+    from miles.models import fused_moe
+
+    torch.manual_seed(tokens)
+    layer = Experts(experts, hidden, inter).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(layer.gate_up_proj, std=hidden**-0.5)
+    torch.nn.init.normal_(layer.down_proj, std=inter**-0.5)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.rand(tokens, experts, device="cuda").topk(8, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, 8, device="cuda"), -1).bfloat16()
+
+    def run(up: fused_moe.TileConfig, down: fused_moe.TileConfig) -> torch.Tensor:
+        with torch.no_grad():
+            return fused_moe.experts_forward(
+                x, layer.gate_up_proj, layer.down_proj, chosen, weights, up, down
+            )
+
+    reference = run(fused_moe.TileConfig(32, 64, 64, 4, 3), fused_moe.TileConfig(32, 64, 64, 4, 3))
+    for bn, bk, warps in [(64, 64, 4), (128, 128, 8), (256, 64, 8)]:
+        cfg = fused_moe.TileConfig(32, bn, bk, warps, 3, tma)
+        out = run(cfg, cfg)
+        assert float((out.float() - reference.float()).norm() / reference.float().norm()) < 1e-2, cfg
+        if tma:
+            assert torch.equal(out, run(replace(cfg, tma=False), replace(cfg, tma=False))), cfg
+
+
+def test_bench_moe_focused_sweep_writes_tables_the_rollout_bench_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from miles.models import fused_moe
+    from miles.rollout import bench_moe
+
+    path = tmp_path / "tiles.json"
+    argv = [
+        "--model",
+        "tiny",
+        "--tokens",
+        "64",
+        "--layers",
+        "2",
+        "--iters",
+        "2",
+        "--sweep",
+        "--grid",
+        "focused",
+    ]
+    assert bench_moe.main([*argv, "--save-configs", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert report["results"][0]["sweep"]["pairs"]
+    tuned = fused_moe.load_tables(str(path))
+    # tiny: 64 tokens x top-2 of 4 experts = 32 pairs per expert, the last range; the others are untouched.
+    assert (
+        tuned.gate_up[:-1] == fused_moe.tables.gate_up[:-1] and tuned.down[:-1] == fused_moe.tables.down[:-1]
+    )
+
+
+def test_bench_rollout_roofline_takes_the_higher_copy_bandwidth(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from miles.rollout import bench
+
+    argv = [
+        "--model",
+        "tiny",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--backend",
+        "torch",
+    ]
+    assert bench.main([*argv, "--cuda-graph", "off"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    before, after = report["copy_bandwidth_before_after"]
+    assert before > 1e11 and after > 1e11 and report["copy_bandwidth_bytes_per_s"] == max(before, after)
+    assert 0 < report["decode_pct_of_roofline"] and report["decode_by_batch"]
 
 
 def test_bench_moe_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,8 @@ and the outputs were bit-identical in every `miles bench moe` case.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,27 +54,95 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    """Load the weight tiles through a TMA descriptor (Hopper and newer) instead of per-thread pointers."""
+
+
+TileTable = list[tuple[float, TileConfig]]
+"""(largest average number of (token, slot) pairs per expert, config for up to that many), ascending; the
+last limit is inf."""
+
+
+@dataclass
+class TileTables:
+    """The tile configurations `experts_forward` picks from, per kernel."""
+
+    gate_up: TileTable
+    down: TileTable
 
 
 # Chosen on the H200 with `miles bench moe --sweep` (docs/benchmarks.md) for the Qwen3-30B-A3B expert shapes
-# (hidden 2048, expert width 768, 128 experts); keyed by the largest average number of (token, slot) pairs
-# per expert each is used for. Larger row blocks pay off once an expert has that many rows; the down
-# projection (K = 768) prefers wider column tiles.
-GATE_UP_CONFIGS: list[tuple[float, TileConfig]] = [
-    (8.0, TileConfig(16, 64, 128, 4, 4)),
-    (24.0, TileConfig(32, 64, 128, 4, 3)),
-    (float("inf"), TileConfig(64, 64, 64, 4, 3)),
-]
-DOWN_CONFIGS: list[tuple[float, TileConfig]] = [
-    (8.0, TileConfig(16, 64, 128, 4, 4)),
-    (24.0, TileConfig(16, 128, 64, 4, 4)),
-    # The gate/up kernel's row block: one expert layout serves both kernels.
-    (float("inf"), TileConfig(64, 128, 64, 8, 4)),
-]
+# (hidden 2048, expert width 768, 128 experts). Larger row blocks pay off once an expert has that many rows;
+# the down projection (K = 768) prefers wider column tiles and TMA loads (`--grid focused`: ~1 % faster at
+# 288 tokens, within 0.3 % above; the gate/up kernel gained nothing from either).
+DEFAULT_TABLES = TileTables(
+    gate_up=[
+        (8.0, TileConfig(16, 64, 128, 4, 4)),
+        (24.0, TileConfig(32, 64, 128, 4, 3)),
+        (float("inf"), TileConfig(64, 64, 64, 4, 3)),
+    ],
+    down=[
+        (8.0, TileConfig(16, 64, 128, 4, 4)),
+        (24.0, TileConfig(16, 256, 64, 4, 3, tma=True)),
+        # The gate/up kernel's row block: one expert layout serves both kernels.
+        (float("inf"), TileConfig(64, 128, 64, 8, 4, tma=True)),
+    ],
+)
+TILE_CONFIGS_ENV = "MILES_MOE_TILE_CONFIGS"
+"""A JSON file of tile tables (`miles bench moe --sweep --save-configs PATH` writes one) used instead of the
+defaults: configurations tuned for another GPU or expert shape."""
 
 
-def pick(configs: list[tuple[float, TileConfig]], pairs_per_expert: float) -> TileConfig:
+def pick(configs: TileTable, pairs_per_expert: float) -> TileConfig:
     return next(c for limit, c in configs if pairs_per_expert <= limit)
+
+
+def tables_to_json(tables: TileTables) -> dict[str, list[dict[str, object]]]:
+    return {
+        name: [
+            {"max_pairs_per_expert": None if limit == float("inf") else limit, **vars(cfg)}
+            for limit, cfg in getattr(tables, name)
+        ]
+        for name in ("gate_up", "down")
+    }
+
+
+def tables_from_json(data: dict[str, object], source: str) -> TileTables:
+    """The tables of `tables_to_json`'s form; a malformed file raises ValueError naming what is wrong."""
+    fields = set(TileConfig.__dataclass_fields__)
+    parsed: dict[str, TileTable] = {}
+    for name in ("gate_up", "down"):
+        rows = data.get(name)
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"{source}: needs a non-empty list {name!r} of tile configurations")
+        table: TileTable = []
+        for row in rows:
+            if not isinstance(row, dict) or "max_pairs_per_expert" not in row:
+                raise ValueError(
+                    f"{source}: each {name} entry needs max_pairs_per_expert (null for no limit)"
+                )
+            cfg = {k: v for k, v in row.items() if k != "max_pairs_per_expert"}
+            if not {"block_m", "block_n", "block_k", "num_warps", "num_stages"} <= set(cfg) <= fields:
+                raise ValueError(
+                    f"{source}: a {name} entry has keys {sorted(cfg)}; expected {sorted(fields)}"
+                )
+            limit = row["max_pairs_per_expert"]
+            table.append((float("inf") if limit is None else float(limit), TileConfig(**cfg)))
+        if table[-1][0] != float("inf") or [t[0] for t in table] != sorted(t[0] for t in table):
+            raise ValueError(f"{source}: {name} limits must ascend and end with null (no limit)")
+        parsed[name] = table
+    return TileTables(**parsed)
+
+
+def load_tables(path: str) -> TileTables:
+    import json
+
+    with open(path) as f:
+        return tables_from_json(json.load(f), path)
+
+
+tables = load_tables(os.environ[TILE_CONFIGS_ENV]) if os.environ.get(TILE_CONFIGS_ENV) else DEFAULT_TABLES
+"""What `experts_forward` picks from; replace it (e.g. with `load_tables`) to try other configurations."""
 
 
 if triton is not None:
@@ -203,10 +272,20 @@ if triton is not None:
         pair = tl.load(sorted_pairs_ptr + block * BM + tl.arange(0, BM))
         return expert, pair, (pair >= 0) & (pair < num_pairs)
 
+    @triton.jit
+    def _weight_tile(w_ptr, ptrs, row, k0, mask, TMA: tl.constexpr):
+        """[BK, BN] tile of K-contiguous weight rows from column k0: through the TMA descriptor `w_ptr` (its
+        box at `row` of the [E * rows, K] view) when TMA, else from the pointer tile `ptrs` (column 0)."""
+        if TMA:
+            tile = w_ptr.load([row.to(tl.int32), k0]).T
+        else:
+            tile = tl.load(ptrs + k0, mask=mask, other=0.0)
+        return tile
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _gate_up_kernel(
         x_ptr,  # [T, K] token rows
-        w_ptr,  # [E, 2N, K] gate rows then up rows
+        w_ptr,  # [E, 2N, K] gate rows then up rows (a TMA descriptor over [E * 2N, K] when TMA)
         out_ptr,  # [P, N] SwiGLU output per pair
         sorted_pairs_ptr,
         block_expert_ptr,
@@ -216,12 +295,12 @@ if triton is not None:
         K,
         top_k,
         stride_x,
-        stride_we,
         stride_wn,
         stride_out,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BN)
@@ -229,37 +308,41 @@ if triton is not None:
         if block * BM >= tl.load(total_ptr):
             return
         expert, pair, real = _block_pairs(block, block_expert_ptr, sorted_pairs_ptr, num_pairs, BM)
-        cols = tile_n * BN + tl.arange(0, BN)
-        col_ok = cols < N
+        cols = tl.arange(0, BN)
+        col_ok = tile_n * BN + cols < N
+        gate_row = expert * (2 * N) + tile_n * BN  # rows of the [E * 2N, K] view; the up rows are N further
         token = (pair // top_k).to(tl.int64)
         ks = tl.arange(0, BK)
         a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]
-        g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-        u_ptrs = g_ptrs + N * stride_wn
+        if TMA:
+            g_ptrs = w_ptr  # unused: the descriptor addresses the tiles
+            u_ptrs = w_ptr
+        else:
+            g_ptrs = w_ptr + (gate_row + cols)[None, :].to(tl.int64) * stride_wn + ks[:, None]
+            u_ptrs = g_ptrs + N * stride_wn
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            g = _weight_tile(w_ptr, g_ptrs, gate_row, k0, w_mask, TMA)
+            u = _weight_tile(w_ptr, u_ptrs, gate_row + N, k0, w_mask, TMA)
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
             a_ptrs += BK
-            g_ptrs += BK
-            u_ptrs += BK
         dtype = out_ptr.dtype.element_ty
         gate = acc_g.to(dtype).to(tl.float32)
         up = acc_u.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         hidden = (silu * up).to(dtype)
-        o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + cols[None, :]
+        o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_out + (tile_n * BN + cols)[None, :]
         tl.store(o_ptrs, hidden, mask=real[:, None] & col_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _down_kernel(
         h_ptr,  # [P, K] SwiGLU output per pair
-        w_ptr,  # [E, N, K]
+        w_ptr,  # [E, N, K] (a TMA descriptor over [E * N, K] when TMA)
         weight_ptr,  # [P] routing weight per pair
         out_ptr,  # [P, N] weighted expert output per pair
         sorted_pairs_ptr,
@@ -269,12 +352,12 @@ if triton is not None:
         N,
         K,
         stride_h,
-        stride_we,
         stride_wn,
         stride_out,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BN)
@@ -282,24 +365,27 @@ if triton is not None:
         if block * BM >= tl.load(total_ptr):
             return
         expert, pair, real = _block_pairs(block, block_expert_ptr, sorted_pairs_ptr, num_pairs, BM)
-        cols = tile_n * BN + tl.arange(0, BN)
-        col_ok = cols < N
+        cols = tl.arange(0, BN)
+        col_ok = tile_n * BN + cols < N
+        w_row = expert * N + tile_n * BN  # rows of the [E * N, K] view
         rows = pair.to(tl.int64)
         ks = tl.arange(0, BK)
         a_ptrs = h_ptr + rows[:, None] * stride_h + ks[None, :]
-        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        if TMA:
+            w_ptrs = w_ptr  # unused: the descriptor addresses the tiles
+        else:
+            w_ptrs = w_ptr + (w_row + cols)[None, :].to(tl.int64) * stride_wn + ks[:, None]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w = _weight_tile(w_ptr, w_ptrs, w_row, k0, k_ok[:, None] & col_ok[None, :], TMA)
             acc = tl.dot(a, w, acc)
             a_ptrs += BK
-            w_ptrs += BK
         dtype = out_ptr.dtype.element_ty
         routing = tl.load(weight_ptr + pair, mask=real, other=0.0).to(tl.float32)
         weighted = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
-        o_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        o_ptrs = out_ptr + rows[:, None] * stride_out + (tile_n * BN + cols)[None, :]
         tl.store(o_ptrs, weighted, mask=real[:, None] & col_ok[None, :])
 
 
@@ -375,6 +461,23 @@ def align(chosen: torch.Tensor, num_experts: int, block_m: int) -> Layout:
     return Layout(sorted_pairs, block_expert, total, block_m)
 
 
+def _on_device(cfg: TileConfig, device: torch.device) -> TileConfig:
+    """The config, with pointer loads where the device has no TMA unit (before Hopper)."""
+    if cfg.tma and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return replace(cfg, tma=False)
+    return cfg
+
+
+def _weights(w: torch.Tensor, cfg: TileConfig) -> object:
+    """An expert kernel's weight operand: the [E, rows, K] tensor, or a TMA descriptor over its
+    [E * rows, K] view with the config's [BN, BK] box."""
+    if not cfg.tma:
+        return w
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [cfg.block_n, cfg.block_k])
+
+
 def experts_forward(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -399,8 +502,8 @@ def experts_forward(
     x = x.contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     per_expert = num_pairs / num_experts
-    up_cfg = up_cfg or pick(GATE_UP_CONFIGS, per_expert)
-    down_cfg = down_cfg or pick(DOWN_CONFIGS, per_expert)
+    up_cfg = _on_device(up_cfg or pick(tables.gate_up, per_expert), x.device)
+    down_cfg = _on_device(down_cfg or pick(tables.down, per_expert), x.device)
     up_layout = align(chosen, num_experts, up_cfg.block_m)
     down_layout = (
         up_layout if down_cfg.block_m == up_cfg.block_m else align(chosen, num_experts, down_cfg.block_m)
@@ -410,7 +513,7 @@ def experts_forward(
     blocks = up_layout.sorted_pairs.numel() // up_cfg.block_m
     _gate_up_kernel[(blocks * triton.cdiv(inter, up_cfg.block_n),)](
         x,
-        gate_up_proj,
+        _weights(gate_up_proj, up_cfg),
         swiglu,
         up_layout.sorted_pairs,
         up_layout.block_expert,
@@ -420,12 +523,12 @@ def experts_forward(
         hidden,
         top_k,
         x.stride(0),
-        gate_up_proj.stride(0),
         gate_up_proj.stride(1),
         swiglu.stride(0),
         BM=up_cfg.block_m,
         BN=up_cfg.block_n,
         BK=up_cfg.block_k,
+        TMA=up_cfg.tma,
         num_warps=up_cfg.num_warps,
         num_stages=up_cfg.num_stages,
     )
@@ -433,7 +536,7 @@ def experts_forward(
     blocks = down_layout.sorted_pairs.numel() // down_cfg.block_m
     _down_kernel[(blocks * triton.cdiv(hidden, down_cfg.block_n),)](
         swiglu,
-        down_proj,
+        _weights(down_proj, down_cfg),
         weights.reshape(-1).contiguous(),
         out,
         down_layout.sorted_pairs,
@@ -443,12 +546,12 @@ def experts_forward(
         hidden,
         inter,
         swiglu.stride(0),
-        down_proj.stride(0),
         down_proj.stride(1),
         out.stride(0),
         BM=down_cfg.block_m,
         BN=down_cfg.block_n,
         BK=down_cfg.block_k,
+        TMA=down_cfg.tma,
         num_warps=down_cfg.num_warps,
         num_stages=down_cfg.num_stages,
     )
