@@ -707,19 +707,7 @@ def test_bench_moe_focused_sweep_writes_tables_the_rollout_bench_reads(
     from miles.rollout import bench_moe
 
     path = tmp_path / "tiles.json"
-    argv = [
-        "--model",
-        "tiny",
-        "--tokens",
-        "64",
-        "--layers",
-        "2",
-        "--iters",
-        "2",
-        "--sweep",
-        "--grid",
-        "focused",
-    ]
+    argv = "--model tiny --tokens 64 --layers 2 --iters 2 --sweep --grid focused".split()
     assert bench_moe.main([*argv, "--save-configs", str(path)]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[0])
     assert report["results"][0]["sweep"]["pairs"]
@@ -735,18 +723,7 @@ def test_bench_rollout_roofline_takes_the_higher_copy_bandwidth(capsys: pytest.C
 
     from miles.rollout import bench
 
-    argv = [
-        "--model",
-        "tiny",
-        "--num-prompts",
-        "4",
-        "--input-len",
-        "16",
-        "--output-len",
-        "8",
-        "--backend",
-        "torch",
-    ]
+    argv = "--model tiny --num-prompts 4 --input-len 16 --output-len 8 --backend torch".split()
     assert bench.main([*argv, "--cuda-graph", "off"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[0])
     before, after = report["copy_bandwidth_before_after"]

@@ -23,6 +23,7 @@ and the outputs were bit-identical in every `miles bench moe` case.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -109,7 +110,8 @@ def tables_to_json(tables: TileTables) -> dict[str, list[dict[str, object]]]:
 
 def tables_from_json(data: dict[str, object], source: str) -> TileTables:
     """The tables of `tables_to_json`'s form; a malformed file raises ValueError naming what is wrong."""
-    fields = set(TileConfig.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(TileConfig)}
+    required = {f.name for f in dataclasses.fields(TileConfig) if f.default is dataclasses.MISSING}
     parsed: dict[str, TileTable] = {}
     for name in ("gate_up", "down"):
         rows = data.get(name)
@@ -122,7 +124,7 @@ def tables_from_json(data: dict[str, object], source: str) -> TileTables:
                     f"{source}: each {name} entry needs max_pairs_per_expert (null for no limit)"
                 )
             cfg = {k: v for k, v in row.items() if k != "max_pairs_per_expert"}
-            if not {"block_m", "block_n", "block_k", "num_warps", "num_stages"} <= set(cfg) <= fields:
+            if not required <= set(cfg) <= fields:
                 raise ValueError(
                     f"{source}: a {name} entry has keys {sorted(cfg)}; expected {sorted(fields)}"
                 )
