@@ -89,6 +89,10 @@ class RolloutConfig:
     """Share prompt prefixes across requests through the radix cache."""
     cuda_graph: bool = True
     """Capture decode in CUDA graphs (GPU only)."""
+    cuda_graph_piecewise_min_batch: int = 256
+    """Decode batches of at least this many requests replay their graph in pieces, with each layer's
+    attention run eagerly in between (planned for the real batch: no forced split-KV and merge; ~2 launches
+    per layer of host time, hidden behind the long steps of a large batch); 0 = never."""
     fused_kernels: str = "auto"
     """Fused kernels for the engine's forwards and sampling: RMSNorm / RoPE / SwiGLU compiled; q/k
     norm+RoPE (with the KV-cache write), the sampler's block totals and the MoE router and experts at decode

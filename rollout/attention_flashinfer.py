@@ -123,6 +123,13 @@ class FlashinferBackend:
         self.plan(self.prefill, indptr, indices, last, qo_indptr=qo_indptr, causal=True)
         return FlashinferAttention(self.pool, self.prefill, batch.out_slots)
 
+    def eager_decode_wrapper(self) -> object:
+        """A decode wrapper for attention run outside a graph (piecewise graphs): its plan may split the KV
+        or not, as the real batch needs."""
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True, backend=self.kernel
+        )
+
     def graph_decode_wrapper(
         self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor
     ) -> object:

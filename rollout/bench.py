@@ -372,6 +372,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--radix-cache", default="on", choices=["on", "off"])
     p.add_argument("--cuda-graph", default="on", choices=["on", "off"])
+    p.add_argument(
+        "--piecewise-min-batch",
+        type=int,
+        default=RolloutConfig.cuda_graph_piecewise_min_batch,
+        help="decode batches of at least this size replay piecewise graphs with eager attention (0: never)",
+    )
     p.add_argument("--flashinfer-kernel", default="fa2", choices=["fa2", "fa3"])
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--speculative", default="off", choices=["off", "ngram"])
@@ -452,6 +458,7 @@ def main(argv: list[str]) -> int:
         page_size=a.page_size,
         radix_cache=a.radix_cache == "on",
         cuda_graph=a.cuda_graph == "on",
+        cuda_graph_piecewise_min_batch=a.piecewise_min_batch,
         deterministic=a.deterministic,
         overlap_schedule=a.overlap,
         flashinfer_kernel=a.flashinfer_kernel,
@@ -507,6 +514,7 @@ def main(argv: list[str]) -> int:
         "n": a.n,
         "radix_cache": a.radix_cache,
         "cuda_graph": a.cuda_graph == "on" and on_gpu,
+        "piecewise_min_batch": a.piecewise_min_batch,
         "overlap_schedule": engine.overlap,
         "fused_kernels": engine.runner.fused_kernels,
         "page_size": a.page_size,
@@ -535,7 +543,15 @@ def main(argv: list[str]) -> int:
     }
     if on_gpu and stats.decode_steps:
         assert copy_before is not None
-        copy_after = measure_copy_bandwidth(device) if engine.pool.allocated else copy_before
+        copy_after = copy_before
+        if engine.pool.allocated:
+            try:
+                copy_after = measure_copy_bandwidth(device)
+            except torch.OutOfMemoryError:
+                print(
+                    "no memory left to measure the copy bandwidth after the run; using the one before",
+                    file=sys.stderr,
+                )
         bandwidth = max(copy_before, copy_after)
         decoded = stats.decode_step_tokens
         avg_batch = decoded / stats.decode_steps

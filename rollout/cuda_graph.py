@@ -1,10 +1,18 @@
-"""CUDA-graph decode: the whole decode forward (embedding to logits) replayed for batch-size buckets.
+"""CUDA-graph decode: the decode forward (embedding to logits) replayed for batch-size buckets.
 
 Each bucket owns a flashinfer decode wrapper bound to static index buffers and a graph captured on static
 input buffers (token ids, positions, KV slots). A decode step of B requests pads to the smallest bucket
 >= B (padding rows read and write the reserved page 0), re-plans the wrapper with the real page table and
 replays; the fused MoE kernels route the padding rows to no expert. Graphs point into the KV pool, so
 they are dropped when the pool is released and re-captured on first use.
+
+Buckets of at least `piecewise_min_batch` rows are captured in pieces instead: one graph from the embedding
+to the first layer's attention, one between each two attentions, one from the last to the logits. Replay
+runs each layer's attention eagerly between the pieces, through a decode wrapper planned for the real rows
+only. In graph mode flashinfer's scheduler must fix its split of the KV ahead of time, so it always splits
+and always runs a merge kernel; planned eagerly, it splits only what a batch too small to fill the GPU
+needs. The pieces cost two launches per layer of host time, which the long steps of a large batch hide
+behind the GPU (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from miles.models.attention import KVWrite
 from miles.rollout.attention_flashinfer import FlashinferAttention, paged_kv_metadata
 from miles.rollout.forward_batch import ForwardBatch
+from miles.rollout.kv_pool import KVPool
 
 if TYPE_CHECKING:
     from miles.rollout.model_runner import ModelRunner
@@ -48,19 +58,86 @@ class _Graph:
     routing: torch.Tensor | None
 
 
+@dataclass
+class _Pieces:
+    graphs: list[torch.cuda.CUDAGraph]
+    """num_layers + 1 graphs; each layer's attention runs between graphs i and i + 1."""
+    query: torch.Tensor
+    """[bucket, Hq, D]: the static q each graph but the last leaves for its layer's attention."""
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer: the pool's (k, v) pages."""
+    logits: torch.Tensor
+    routing: torch.Tensor | None
+
+
+class _SplitAtAttention:
+    """The attention context of a piecewise capture: each layer's attention ends the graph being captured and
+    begins the next one. The KV write stays in the graph; the attention output is a static buffer that the
+    eager attention fills at replay."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        slots: torch.Tensor,
+        qk_out: torch.Tensor,
+        attn_out: torch.Tensor,
+        mempool: tuple[int, int],
+    ) -> None:
+        self.pool, self.slots, self.mempool = pool, slots, mempool
+        self.qk_out, self.attn_out = qk_out, attn_out
+        self.query = qk_out[:, : attn_out.shape[1]]
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.mempool)
+        self.graphs.append(graph)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def kv_write(self, layer_idx: int) -> KVWrite:
+        # The q/k kernel writes q/k into one static buffer: a q per layer and bucket kept alive between
+        # the pieces instead would hold ~0.45 MB per row of a bucket on the 30B-A3B shape.
+        k, v = self.pool.k_layer(layer_idx), self.pool.v_layer(layer_idx)
+        return KVWrite(k, v, self.slots, out=self.qk_out)
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        if k is not None and v is not None:
+            self.pool.write(layer_idx, self.slots, k, v)
+        if q.data_ptr() != self.query.data_ptr() or q.stride() != self.query.stride():
+            self.query.copy_(q)  # q came from elsewhere than the q/k kernel (fused kernels off, no q/k norm)
+        self.end()
+        self.begin()
+        return self.attn_out
+
+
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int, piecewise_min_batch: int = 0) -> None:
         # Graph padding rows may write NaN to page 0, which only the flashinfer kernels never read (kv_pool.py).
         assert runner.backend == "flashinfer", "CUDA-graph decode runs on the flashinfer backend only"
         self.runner, self.max_batch = runner, max_batch
         self.buckets = [b for b in _BUCKETS if b < max_batch] + [max_batch]
+        self.piecewise_min_batch = piecewise_min_batch
         self.graphs: dict[int, _Graph] = {}
+        self.pieces: dict[int, _Pieces] = {}
 
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.batch_size <= self.max_batch
 
     def reset(self) -> None:
         self.graphs.clear()
+        self.pieces.clear()
+
+    def _piecewise(self, bucket: int) -> bool:
+        return 0 < self.piecewise_min_batch <= bucket
 
     def _bucket(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
@@ -83,52 +160,85 @@ class CudaGraphRunner:
         # The real rows of a replay; the fused MoE kernels skip the padding after them.
         self.valid_rows = torch.zeros(1, dtype=torch.int32, device=device)
         mempool = torch.cuda.graph_pool_handle()
-        for bs in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its memory
-            wrapper = backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
-            backend.plan(
-                wrapper,
-                torch.arange(bs + 1, dtype=torch.int32),
-                torch.zeros(bs, dtype=torch.int32, device=device),
-                torch.ones(bs, dtype=torch.int32),
+        if any(self._piecewise(b) for b in self.buckets):
+            heads, kv_heads, dim = (
+                model.args.num_attention_heads,
+                model.args.num_key_value_heads,
+                model.args.head_dim,
             )
+            self.qk_out = torch.zeros(n, heads + kv_heads, dim, dtype=model.dtype, device=device)
+            self.attn_out = torch.zeros(n, heads, dim, dtype=model.dtype, device=device)
+            self.eager_wrapper = backend.eager_decode_wrapper()
+        for bs in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its memory
+            if self._piecewise(bs):
+                self.pieces[bs] = self._capture_pieces(bs, mempool)
+                continue
+            wrapper = backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
             attn = FlashinferAttention(pool, wrapper, self.slots[:bs])
-
-            def forward(
-                bs: int = bs, attn: FlashinferAttention = attn
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-                trace = runner.new_trace()
-                if trace is not None:
-                    trace.valid_rows = self.valid_rows
-                out = model.forward_packed(self.ids[:bs], self.positions[:bs], attn, trace)
-                return model.compute_logits(out.hidden), out.routing
-
-            self.valid_rows.fill_(bs)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                forward()
-                forward()
-            torch.cuda.current_stream(device).wait_stream(side)
+            self._warm_up(bs, attn)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
-                logits, routing = forward()
+                logits, routing = self._forward(bs, attn)
             self.graphs[bs] = _Graph(graph, wrapper, logits, routing)
         torch.cuda.synchronize(device)
 
+    def _capture_pieces(self, bs: int, mempool: tuple[int, int]) -> _Pieces:
+        pool, model = self.runner.pool, self.runner.model
+        self._warm_up(bs, FlashinferAttention(pool, self.eager_wrapper, self.slots[:bs]))
+        torch.cuda.empty_cache()  # the warm-up's cached blocks back to the device, for the graphs' pool
+        split = _SplitAtAttention(pool, self.slots[:bs], self.qk_out[:bs], self.attn_out[:bs], mempool)
+        side = torch.cuda.Stream(pool.device)
+        side.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(side):
+            split.begin()
+            try:
+                logits, routing = self._forward(bs, split)
+            finally:
+                if torch.cuda.is_current_stream_capturing():  # an error mid-capture: leave the stream usable
+                    split.end()
+        torch.cuda.current_stream(pool.device).wait_stream(side)
+        num_layers = model.args.num_hidden_layers
+        assert len(split.graphs) == num_layers + 1, "a layer did not attend exactly once"
+        caches = [(pool.k_layer(i), pool.v_layer(i)) for i in range(num_layers)]
+        return _Pieces(split.graphs, split.query, caches, logits, routing)
+
+    def _forward(
+        self, bs: int, attn: FlashinferAttention | _SplitAtAttention
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        runner = self.runner
+        trace = runner.new_trace()
+        if trace is not None:
+            trace.valid_rows = self.valid_rows
+        out = runner.model.forward_packed(self.ids[:bs], self.positions[:bs], attn, trace)
+        return runner.model.compute_logits(out.hidden), out.routing
+
+    def _warm_up(self, bs: int, attn: FlashinferAttention) -> None:
+        """Two eager forwards on a side stream (compiles, autotunes, allocates) before a capture, attention
+        planned over bs one-token rows on page 0."""
+        device = self.runner.pool.device
+        self.runner.flashinfer.plan(  # type: ignore[union-attr]
+            attn.wrapper,
+            torch.arange(bs + 1, dtype=torch.int32),
+            torch.zeros(bs, dtype=torch.int32, device=device),
+            torch.ones(bs, dtype=torch.int32),
+        )
+        self.valid_rows.fill_(bs)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._forward(bs, attn)
+            self._forward(bs, attn)
+        torch.cuda.current_stream(device).wait_stream(side)
+
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.graphs:
+        if not self.graphs and not self.pieces:
             self.capture()
         real = batch.batch_size
         bs = self._bucket(real)
+        self._fill_inputs(batch, bs)
+        if bs in self.pieces:
+            return self._replay_pieces(batch, self.pieces[bs])
         entry = self.graphs[bs]
-        self.ids[:real].copy_(batch.input_ids)
-        self.positions[:real].copy_(batch.positions)
-        self.slots[:real].copy_(batch.out_slots)
-        self.valid_rows.fill_(real)
-        if bs > real:
-            self.ids[real:bs].zero_()
-            self.positions[real:bs].zero_()
-            self.slots[real:bs].zero_()
         indptr, indices, last = paged_kv_metadata(
             self.runner.table, batch.rows, batch.kv_lens, self.runner.pool.page_size
         )
@@ -141,3 +251,32 @@ class CudaGraphRunner:
         entry.graph.replay()
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing
+
+    def _replay_pieces(
+        self, batch: ForwardBatch, pieces: _Pieces
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        runner, real = self.runner, batch.batch_size
+        assert runner.flashinfer is not None
+        # Only the real rows attend: the padding rows keep a stale (finite) attention output.
+        indptr, indices, last = paged_kv_metadata(
+            runner.table, batch.rows, batch.kv_lens, runner.pool.page_size
+        )
+        runner.flashinfer.plan(self.eager_wrapper, indptr, indices, last)
+        run, q, out = self.eager_wrapper.run, pieces.query[:real], self.attn_out[:real]  # type: ignore[attr-defined]
+        for graph, cache in zip(pieces.graphs, pieces.caches):
+            graph.replay()
+            run(q, cache, out=out)
+        pieces.graphs[-1].replay()
+        routing = pieces.routing[:, :real] if pieces.routing is not None else None
+        return pieces.logits[:real], routing
+
+    def _fill_inputs(self, batch: ForwardBatch, bs: int) -> None:
+        real = batch.batch_size
+        self.ids[:real].copy_(batch.input_ids)
+        self.positions[:real].copy_(batch.positions)
+        self.slots[:real].copy_(batch.out_slots)
+        self.valid_rows.fill_(real)
+        if bs > real:
+            self.ids[real:bs].zero_()
+            self.positions[real:bs].zero_()
+            self.slots[real:bs].zero_()

@@ -100,6 +100,11 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer: Any | None, cfg: RolloutConfig) -> None:
         if cfg.page_size < 1:
             raise ValueError(f"rollout.page_size must be >= 1, got {cfg.page_size}")
+        if cfg.cuda_graph_piecewise_min_batch < 0:
+            raise ValueError(
+                "rollout.cuda_graph_piecewise_min_batch must be >= 0 (0 disables piecewise graphs), "
+                f"got {cfg.cuda_graph_piecewise_min_batch}"
+            )
         if cfg.max_running_requests > cfg.max_batch_tokens:
             raise ValueError(
                 f"rollout.max_running_requests ({cfg.max_running_requests}) must not exceed rollout.max_batch_tokens "
@@ -139,6 +144,7 @@ class Engine:
             graph_batch,
             cfg.flashinfer_kernel,
             self._use_fused_kernels(cfg),
+            cfg.cuda_graph_piecewise_min_batch,
         )
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -57,6 +57,7 @@ class ModelRunner:
         cuda_graph_max_batch: int,
         flashinfer_kernel: str = "fa2",
         fused_kernels: bool = False,
+        piecewise_min_batch: int = 0,
     ) -> None:
         self.model, self.pool, self.table = model, pool, table
         self.backend = backend
@@ -72,7 +73,7 @@ class ModelRunner:
         if cuda_graph_max_batch > 0 and self.flashinfer is not None and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self, cuda_graph_max_batch)
+            self.graphs = CudaGraphRunner(self, cuda_graph_max_batch, piecewise_min_batch)
 
     def context(self, batch: ForwardBatch):  # noqa: ANN201 - an AttentionContext
         if self.flashinfer is not None:

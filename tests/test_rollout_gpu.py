@@ -145,6 +145,34 @@ def test_cuda_graph_decode_matches_eager(moe: bool) -> None:
     assert_agree_until_near_tie(model, eager, engine.generate(PROMPTS, GREEDY.with_(n=3)), logprob_tol=0.05)
 
 
+@pytest.mark.parametrize(
+    ("moe", "fused", "min_batch"),
+    [(False, "auto", 1), (True, "auto", 1), (True, "auto", 16), (False, "off", 4)],
+    ids=["qwen3", "qwen3_moe", "qwen3_moe_mixed", "qwen3_unfused"],
+)
+def test_piecewise_graph_decode_matches_eager(moe: bool, fused: str, min_batch: int) -> None:
+    model = gpu_model(moe, seed=2)
+    params = GREEDY.with_(n=3)
+    eager = Engine(model, None, config(backend="flashinfer", fused_kernels=fused)).generate(PROMPTS, params)
+    cfg = config(
+        backend="flashinfer", cuda_graph=True, cuda_graph_piecewise_min_batch=min_batch, fused_kernels=fused
+    )
+    engine = Engine(model, None, cfg)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    pieced = engine.generate(PROMPTS, params)
+    assert graphs.pieces, "decode never replayed a piecewise graph"
+    assert all(b >= min_batch for b in graphs.pieces) and all(b < min_batch for b in graphs.graphs)
+    assert all(len(p.graphs) == model.args.num_hidden_layers + 1 for p in graphs.pieces.values())
+    assert_agree_until_near_tie(model, eager, pieced, logprob_tol=0.05)
+    # The pieces point into the pool too: release and resume re-captures them.
+    engine.release_memory()
+    engine.resume_memory()
+    assert not graphs.pieces
+    assert_agree_until_near_tie(model, eager, engine.generate(PROMPTS, params), logprob_tol=0.05)
+    assert graphs.pieces
+
+
 def test_grouped_gemm_experts_match_the_loop() -> None:
     torch.manual_seed(0)
     experts = Experts(16, 256, 128).cuda()
@@ -454,6 +482,13 @@ def test_qk_norm_rope_kernel_writes_k_and_v_to_their_cache_slots(
         )
         plain = fused_norm_rope.qk_norm_rope_kernel(qk, wq, wk, hq, 1e-6, cos, sin)
     assert got is not None and torch.equal(got, plain)
+    # Into a given output buffer (piecewise graphs): the same values, in that buffer.
+    buffer = torch.full((tokens, hq + hk, dim), 5.0, device="cuda", dtype=dtype)
+    with torch.no_grad(), fused.fused_kernels():
+        into = fused_norm_rope.qk_norm_rope_into_cache(
+            qk, v, wq, wk, hq, 1e-6, cos, sin, KVWrite(k_cache, v_cache, slots, out=buffer)
+        )
+    assert into is not None and into.data_ptr() == buffer.data_ptr() and torch.equal(buffer, plain)
     flat_k, flat_v = k_cache.view(-1, hk, dim), v_cache.view(-1, hk, dim)
     assert torch.equal(flat_k[slots], plain[:, hq:]) and torch.equal(flat_v[slots], v)
     untouched = torch.ones(num_pages * page, dtype=torch.bool, device="cuda")

@@ -23,6 +23,9 @@ class KVWrite:
     v_cache: torch.Tensor
     slots: torch.Tensor
     """[N] int64: the slot of each new token."""
+    out: torch.Tensor | None = None
+    """[N, Hq + Hk, D] contiguous: where the kernel puts the normed, rotated q/k (piecewise CUDA graphs keep
+    it static, shared by every layer); None allocates."""
 
 
 class AttentionContext(Protocol):

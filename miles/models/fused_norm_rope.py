@@ -164,7 +164,10 @@ def qk_norm_rope_kernel(
     """`fused.qk_norm_rope` as one Triton kernel: [N, Hq + Hk, D] (any row and head strides) -> contiguous.
     With `v` and `kv_write`, each token's rotated k and its v also go to its slot of the caches."""
     num_tokens, heads, dim = qk.shape
-    out = torch.empty(num_tokens, heads, dim, dtype=qk.dtype, device=qk.device)
+    out = kv_write.out if kv_write is not None else None
+    if out is None:
+        out = torch.empty(num_tokens, heads, dim, dtype=qk.dtype, device=qk.device)
+    assert out.shape == qk.shape and out.dtype == qk.dtype and out.is_contiguous(), "bad q/k output buffer"
     if num_tokens == 0:
         return out
     cos, sin = cos.contiguous(), sin.contiguous()
