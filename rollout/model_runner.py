@@ -9,6 +9,7 @@ and MoE experts in fixed blocks, so a request's logits do not depend on its batc
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,6 +22,8 @@ from miles.models.moe import Experts, RoutingTrace
 from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_pool import KVPool, RequestTable
+
+log = logging.getLogger(__name__)
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -93,7 +96,19 @@ class ModelRunner:
         if self.deterministic:
             return self._forward_deterministic(batch)
         if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
-            return self.graphs.replay(batch)
+            try:
+                return self.graphs.replay(batch)
+            except torch.OutOfMemoryError as err:
+                # Capture needs memory beside the KV pool; without it decode runs eagerly, slower but on.
+                log.warning(
+                    "CUDA-graph capture ran out of memory (%s); decoding without CUDA graphs from now on. "
+                    "Lower rollout.kv_cache_fraction to keep them.",
+                    str(err).split(". ")[0],
+                )
+                self.graphs.reset()
+                self.graphs = None
+                if self.model.device.type == "cuda":
+                    torch.cuda.empty_cache()
         out = self.model.forward_packed(
             batch.input_ids, batch.positions, self.context(batch), self.new_trace()
         )

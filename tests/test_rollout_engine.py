@@ -357,3 +357,37 @@ def test_no_draft_before_the_first_output_token() -> None:
         assert_pool_clean(engine)
         engine.flush_cache()
         assert engine.pool.free_tokens == engine.pool.capacity_tokens
+
+
+class _GraphsOutOfMemory:
+    """Stands in for the CUDA-graph runner: every replay (its capture first) runs out of device memory."""
+
+    def __init__(self) -> None:
+        self.replays, self.resets = 0, 0
+
+    def fits(self, batch: object) -> bool:
+        return True
+
+    def replay(self, batch: object) -> None:
+        self.replays += 1
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def test_graph_capture_out_of_memory_falls_back_to_eager_decode(caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that runs out of memory costs the graphs, not the run: decode goes on eagerly, same samples."""
+    model = tiny_model(moe=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 4)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    expected = Engine(model, None, config()).generate(prompts, params)
+    engine = Engine(model, None, config())
+    stub = _GraphsOutOfMemory()
+    engine.runner.graphs = stub  # type: ignore[assignment]
+    with caplog.at_level("WARNING"):
+        got = engine.generate(prompts, params)
+    assert [s.response_ids for s in got] == [s.response_ids for s in expected]
+    assert [s.rollout_logprobs for s in got] == [s.rollout_logprobs for s in expected]
+    assert stub.replays == 1 and stub.resets == 1 and engine.runner.graphs is None
+    assert "decoding without CUDA graphs" in caplog.text
