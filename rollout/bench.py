@@ -514,7 +514,7 @@ def main(argv: list[str]) -> int:
         "n": a.n,
         "radix_cache": a.radix_cache,
         "cuda_graph": a.cuda_graph == "on" and on_gpu,
-        "piecewise_min_batch": a.piecewise_min_batch,
+        "piecewise_min_batch": a.piecewise_min_batch if engine.runner.graphs is not None else None,
         "overlap_schedule": engine.overlap,
         "fused_kernels": engine.runner.fused_kernels,
         "page_size": a.page_size,
