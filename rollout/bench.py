@@ -547,7 +547,7 @@ def main(argv: list[str]) -> int:
         if engine.pool.allocated:
             try:
                 copy_after = measure_copy_bandwidth(device)
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 print(
                     "no memory left to measure the copy bandwidth after the run; using the one before",
                     file=sys.stderr,

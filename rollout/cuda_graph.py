@@ -160,6 +160,9 @@ class CudaGraphRunner:
         # The real rows of a replay; the fused MoE kernels skip the padding after them.
         self.valid_rows = torch.zeros(1, dtype=torch.int32, device=device)
         mempool = torch.cuda.graph_pool_handle()
+        # One capture stream for every bucket: the allocator reuses a freed block only on the stream it was
+        # allocated on, so buckets captured on separate streams could not share their activations' memory.
+        self.capture_stream = torch.cuda.Stream(device)
         if any(self._piecewise(b) for b in self.buckets):
             heads, kv_heads, dim = (
                 model.args.num_attention_heads,
@@ -177,7 +180,7 @@ class CudaGraphRunner:
             attn = FlashinferAttention(pool, wrapper, self.slots[:bs])
             self._warm_up(bs, attn)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
+            with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
                 logits, routing = self._forward(bs, attn)
             self.graphs[bs] = _Graph(graph, wrapper, logits, routing)
         torch.cuda.synchronize(device)
@@ -187,16 +190,20 @@ class CudaGraphRunner:
         self._warm_up(bs, FlashinferAttention(pool, self.eager_wrapper, self.slots[:bs]))
         torch.cuda.empty_cache()  # the warm-up's cached blocks back to the device, for the graphs' pool
         split = _SplitAtAttention(pool, self.slots[:bs], self.qk_out[:bs], self.attn_out[:bs], mempool)
-        side = torch.cuda.Stream(pool.device)
-        side.wait_stream(torch.cuda.current_stream(pool.device))
-        with torch.cuda.stream(side):
+        stream = self.capture_stream
+        stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(stream):
             split.begin()
             try:
                 logits, routing = self._forward(bs, split)
-            finally:
-                if torch.cuda.is_current_stream_capturing():  # an error mid-capture: leave the stream usable
-                    split.end()
-        torch.cuda.current_stream(pool.device).wait_stream(side)
+            except BaseException:
+                if torch.cuda.is_current_stream_capturing():  # leave the stream usable, keep the first error
+                    try:
+                        split.end()
+                    except RuntimeError:
+                        pass  # an invalidated capture cannot end cleanly
+                raise
+        torch.cuda.current_stream(pool.device).wait_stream(stream)
         num_layers = model.args.num_hidden_layers
         assert len(split.graphs) == num_layers + 1, "a layer did not attend exactly once"
         caches = [(pool.k_layer(i), pool.v_layer(i)) for i in range(num_layers)]

@@ -98,17 +98,17 @@ class ModelRunner:
         if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
             try:
                 return self.graphs.replay(batch)
-            except torch.OutOfMemoryError as err:
+            except torch.cuda.OutOfMemoryError as err:
                 # Capture needs memory beside the KV pool; without it decode runs eagerly, slower but on.
                 log.warning(
-                    "CUDA-graph capture ran out of memory (%s); decoding without CUDA graphs from now on. "
+                    "CUDA-graph decode ran out of memory (%s); decoding without CUDA graphs from now on. "
                     "Lower rollout.kv_cache_fraction to keep them.",
                     str(err).split(". ")[0],
                 )
                 self.graphs.reset()
                 self.graphs = None
-                if self.model.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            if self.model.device.type == "cuda":  # after the except: its traceback held the capture's tensors
+                torch.cuda.empty_cache()
         out = self.model.forward_packed(
             batch.input_ids, batch.positions, self.context(batch), self.new_trace()
         )
