@@ -196,6 +196,7 @@ class CudaGraphRunner:
             split.begin()
             try:
                 logits, routing = self._forward(bs, split)
+                split.end()  # the last piece: from the last attention to the logits
             except BaseException:
                 if torch.cuda.is_current_stream_capturing():  # leave the stream usable, keep the first error
                     try:
