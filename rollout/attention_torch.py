@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.attention import sdpa
+from miles.rollout.decode_staging import DecodeStaging
 from miles.rollout.forward_batch import ForwardBatch, host_to_device
 from miles.rollout.kv_pool import KVPool, RequestTable
 
@@ -91,8 +92,8 @@ class _SharedPrefixes:
     """[G, P] KV slots of each group's prefix (padded with slot 0)."""
     bias: torch.Tensor | None
     """[G, 1, 1, P] additive mask, -inf past a shorter prefix; None when all prefixes have the same length."""
-    buffers: tuple[torch.Tensor, torch.Tensor]
-    """Gather targets for the prefix keys and values, reused by every layer of the step."""
+    buffers: tuple[torch.Tensor, torch.Tensor] | None
+    """Gather targets for the prefix keys and values, reused by every layer of the step (None: staged)."""
 
 
 @dataclass
@@ -117,8 +118,12 @@ class _ShortExtends:
 
 
 class TorchPagedAttention:
-    def __init__(self, pool: KVPool, table: RequestTable, batch: ForwardBatch) -> None:
+    def __init__(
+        self, pool: KVPool, table: RequestTable, batch: ForwardBatch, staging: DecodeStaging | None = None
+    ) -> None:
         self.pool, self.out_slots = pool, batch.out_slots
+        self.staging = staging
+        self.staged = False
         starts = batch.q_starts
         short = [i for i, n in enumerate(batch.q_lens) if 1 < n <= _SHORT_EXTEND]
         self.short = self._plan_short(table, batch, short, starts) if len(short) > 1 else None
@@ -134,6 +139,8 @@ class TorchPagedAttention:
         decodes = [i for i, n in enumerate(batch.q_lens) if n == 1]
         if decodes:
             self._plan_decodes(table, batch, decodes, starts)
+        elif staging is not None:
+            staging.clear()
 
     def _plan_decodes(
         self, table: RequestTable, batch: ForwardBatch, decodes: list[int], starts: list[int]
@@ -149,8 +156,6 @@ class TorchPagedAttention:
             groups = [(length, idx) for (_, length), idx in found.items() if len(idx) >= 2]
         prefix = {i: length for length, idx in groups for i in idx}
         order = np.array([i for _, idx in groups for i in idx] + [i for i in decodes if i not in prefix])
-        if groups:
-            self.shared = self._plan_groups(table, batch, groups)
         tokens = np.asarray(starts)[order]
         # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the output.
         self.dec_in_place = (
@@ -160,14 +165,26 @@ class TorchPagedAttention:
         first = np.array([prefix.get(i, 0) for i in order.tolist()])
         suffix = np.asarray(batch.kv_lens)[order] - first
         width = int(suffix.max())
-        cols = np.minimum(first[:, None] + np.arange(width), table.max_context - 1)
-        # Position-major: a step's decodes usually got their slots together, so this reads the pool in order.
-        self.dec_slots = _table_slots(table, np.asarray(batch.rows)[order], cols).T.contiguous()
-        shape = (width, len(order), lay.num_kv_heads, lay.head_dim)
-        self.dec_buffers = (
-            torch.empty(shape, dtype=lay.dtype, device=device),
-            torch.empty(shape, dtype=lay.dtype, device=device),
-        )
+        rows = np.asarray(batch.rows)[order]
+        if self.staging is not None:
+            self.staged = device.type == "cpu" and self.staging.begin(rows, first, suffix)
+        if groups:
+            self.shared = self._plan_groups(table, batch, groups)
+        elif self.staged:
+            self.staging.no_prefix()  # type: ignore[union-attr]
+        self.dec_slots: torch.Tensor | None = None
+        if not (self.staged and self.staging.appending):  # type: ignore[union-attr]
+            cols = np.minimum(first[:, None] + np.arange(width), table.max_context - 1)
+            # Position-major: a step's decodes usually got their slots together, so this reads the pool in
+            # order.
+            self.dec_slots = _table_slots(table, rows, cols).T.contiguous()
+        self.dec_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not self.staged:
+            shape = (width, len(order), lay.num_kv_heads, lay.head_dim)
+            self.dec_buffers = (
+                torch.empty(shape, dtype=lay.dtype, device=device),
+                torch.empty(shape, dtype=lay.dtype, device=device),
+            )
         # Equal lengths (e.g. the samples of a group) need no mask, which lets SDPA take its fused kernel.
         self.dec_mask: torch.Tensor | None = None
         if suffix.min() < width:
@@ -242,11 +259,13 @@ class TorchPagedAttention:
         if beyond.any():
             slots.masked_fill_(host_to_device(beyond, device), 0)
             bias = _step_mask(~beyond[:, None, None, :], lay.dtype, device)
-        shape = (len(groups), len(positions), lay.num_kv_heads, lay.head_dim)
-        buffers = (
-            torch.empty(shape, dtype=lay.dtype, device=device),
-            torch.empty(shape, dtype=lay.dtype, device=device),
-        )
+        buffers = None
+        if not self.staged:
+            shape = (len(groups), len(positions), lay.num_kv_heads, lay.head_dim)
+            buffers = (
+                torch.empty(shape, dtype=lay.dtype, device=device),
+                torch.empty(shape, dtype=lay.dtype, device=device),
+            )
         return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias, buffers)
 
     def kv_write(self, layer_idx: int) -> None:
@@ -263,11 +282,14 @@ class TorchPagedAttention:
         assert k is not None and v is not None
         self.pool.write(layer_idx, self.out_slots, k, v)
         if self.dec_in_place:
-            return self._decode(layer_idx, q, scale).reshape(q.shape)
+            return self._decode(layer_idx, q, k, v, scale).reshape(q.shape)
         out = torch.empty_like(q)
         if self.dec_tokens is not None:
-            dec = self._decode(layer_idx, q.index_select(0, self.dec_tokens), scale)
-            out.view(len(out), *dec.shape[1:]).index_copy_(0, self.dec_tokens, dec)
+            index = self.dec_tokens
+            if self.staged:  # the staged copies take the decode rows' new keys and values
+                k, v = k.index_select(0, index), v.index_select(0, index)
+            dec = self._decode(layer_idx, q.index_select(0, index), k, v, scale)
+            out.view(len(out), *dec.shape[1:]).index_copy_(0, index, dec)
         if self.short is not None:
             self._short(layer_idx, q, out, scale)
         for start, end, slots in self.prefills:
@@ -275,14 +297,20 @@ class TorchPagedAttention:
             out[start:end] = _prefill(q[start:end], keys, values, scale)
         return out
 
-    def _decode(self, layer_idx: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def _decode(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [B, Hq, D] in decode order -> [B, Hkv, Hq / Hkv, D] (in any memory layout); the query heads of
-        each KV head ride in the query dimension."""
+        each KV head ride in the query dimension. k/v: the step's new keys and values (in decode order where
+        staged), already in the pool."""
         b, hq, d = q.shape
         hkv = self.pool.layout.num_kv_heads
         qg = q.reshape(b, hkv, hq // hkv, d)
-        keys, values = self.pool.gather(layer_idx, self.dec_slots, self.dec_buffers)  # [L, B, Hkv, D]
-        keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
+        if self.staged:
+            keys, values = self.staging.suffix(layer_idx, self.dec_slots, k, v)  # type: ignore[union-attr]
+        else:
+            keys, values = self.pool.gather(layer_idx, self.dec_slots, self.dec_buffers)  # [L, B, Hkv, D]
+            keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
         if self.shared is None:
             return F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.dec_mask, scale=scale)
         out, lse = _flash_lse(qg, keys, values, self.dec_mask, scale)
@@ -291,8 +319,12 @@ class TorchPagedAttention:
         grouped = qg[: g * m] if sh.padded is None else qg.index_select(0, sh.padded)
         # Every member's queries against its group's one prefix: [G, Hkv, M * (Hq / Hkv), D].
         gq = grouped.view(g, m, hkv, -1, d).transpose(1, 2).reshape(g, hkv, -1, d)
-        pk, pv = self.pool.gather(layer_idx, sh.slots, sh.buffers)  # [G, P, Hkv, D]
-        p_out, p_lse = _flash_lse(gq, pk.transpose(1, 2), pv.transpose(1, 2), sh.bias, scale)
+        if self.staged:
+            pk, pv = self.staging.prefix(layer_idx, sh.slots)  # type: ignore[union-attr]
+        else:
+            pk, pv = self.pool.gather(layer_idx, sh.slots, sh.buffers)  # [G, P, Hkv, D]
+            pk, pv = pk.transpose(1, 2), pv.transpose(1, 2)
+        p_out, p_lse = _flash_lse(gq, pk, pv, sh.bias, scale)
         p_out = p_out.view(g, hkv, m, -1, d).transpose(1, 2)  # [G, M, Hkv, Hq / Hkv, D]
         p_lse = p_lse.view(g, hkv, m, -1).transpose(1, 2)
         own, own_lse = out[: sh.members], lse[: sh.members]

@@ -20,6 +20,7 @@ from miles.models import fused
 from miles.models.model import CausalLM
 from miles.models.moe import Experts, RoutingTrace
 from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
+from miles.rollout.decode_staging import DecodeStaging
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_pool import KVPool, RequestTable
 
@@ -72,6 +73,9 @@ class ModelRunner:
             from miles.rollout.attention_flashinfer import FlashinferBackend
 
             self.flashinfer = FlashinferBackend(model.args, pool, table, model.dtype, flashinfer_kernel)
+        # CPU decode steps carry their gathered keys and values over to the next step (decode_staging.py).
+        cpu_torch = backend == "torch" and pool.device.type == "cpu" and not deterministic
+        self.staging = DecodeStaging(pool) if cpu_torch else None
         self.graphs = None
         if cuda_graph_max_batch > 0 and self.flashinfer is not None and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner
@@ -81,7 +85,7 @@ class ModelRunner:
     def context(self, batch: ForwardBatch):  # noqa: ANN201 - an AttentionContext
         if self.flashinfer is not None:
             return self.flashinfer.context(batch)
-        return TorchPagedAttention(self.pool, self.table, batch)
+        return TorchPagedAttention(self.pool, self.table, batch, self.staging)
 
     def new_trace(self) -> RoutingTrace | None:
         return RoutingTrace(record=True) if self.is_moe else None
@@ -118,6 +122,8 @@ class ModelRunner:
         """Forget everything that points into the KV pool's memory (graphs are re-captured on demand)."""
         if self.graphs is not None:
             self.graphs.reset()
+        if self.staging is not None:
+            self.staging.clear()
 
     # deterministic mode --------------------------------------------------------------------------
     def _forward_deterministic(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -100,3 +100,79 @@ def test_short_extends_attend_in_one_padded_call() -> None:
     assert attention.short is not None and attention.short.batch_size == 3
     assert len(attention.prefills) == 1
     assert_matches_plain_attention(attention, pool, table, batch, seed=2)
+
+
+def _decode_step(
+    table: RequestTable, rows: list[tuple[int, int, int, int]], step: int
+) -> tuple[ForwardBatch, list[int]]:
+    """One decode token for each (table row, group, prefix length, context at step 0), `step` steps in."""
+    kv_lens = [start + step + 1 for *_, start in rows]
+    out_slots = torch.stack([table.table[row, n - 1] for (row, *_), n in zip(rows, kv_lens)]).long()
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(rows), dtype=torch.long),
+        positions=torch.zeros(len(rows), dtype=torch.long),
+        out_slots=out_slots,
+        rows=[r[0] for r in rows],
+        q_lens=[1] * len(rows),
+        kv_lens=kv_lens,
+        sample_index=torch.arange(len(rows)),
+        prefix_groups=[r[1] for r in rows],
+        prefix_lens=[r[2] for r in rows],
+    )
+    return batch, kv_lens
+
+
+def test_staged_decode_steps_equal_fresh_gathers() -> None:
+    """Consecutive decode steps that carry their keys and values over (DecodeStaging) attend exactly as
+    steps that gather everything again: appending one token per step at equal and unequal suffix lengths,
+    after a row leaves, when a suffix outgrows the staged capacity, and after a forward failed half-way."""
+    from miles.rollout.decode_staging import DecodeStaging
+
+    layers, gen = 2, torch.Generator().manual_seed(3)
+    pool = KVPool(KVLayout(layers, HKV, D, torch.float32, 1, None), 2048, torch.device("cpu"))
+    table = RequestTable(8, 160, torch.device("cpu"))
+    # Rows 0-2 share the slots of a 20-token prefix (group 7); rows 3-4 are alone; all own 120 more slots.
+    prefix = torch.arange(1, 21, dtype=torch.int32)
+    for row in range(5):
+        own = torch.arange(21 + 120 * row, 141 + 120 * row, dtype=torch.int32)
+        slots = torch.cat([prefix, own]) if row < 3 else own
+        table.table[row, : len(slots)] = slots
+    pool.k_cache.copy_(torch.randn(pool.k_cache.shape, generator=gen))  # type: ignore[union-attr]
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=gen))  # type: ignore[union-attr]
+    staging = DecodeStaging(pool)
+    gathers = 0
+    gather = pool.gather
+
+    def counted(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal gathers
+        gathers += 1
+        return gather(*args, **kwargs)  # type: ignore[arg-type]
+
+    pool.gather = counted  # type: ignore[method-assign]
+    everyone = [(0, 7, 20, 22), (1, 7, 20, 25), (2, 7, 20, 21), (3, -1, 0, 40), (4, -1, 0, 40)]
+    schedule = [(everyone, s) for s in range(4)]  # unequal suffixes: rows 0-2 grow from 2, 5 and 1
+    schedule += [(everyone[:2] + everyone[3:], s) for s in range(4, 8)]  # row 2 left the batch
+    schedule += [(everyone[3:], s) for s in range(8, 70)]  # equal suffixes of 49..110: outgrow 64, then 128
+    for i, (rows, step) in enumerate(schedule):
+        batch, _ = _decode_step(table, rows, step)
+        n = len(rows)
+        q = torch.randn(n, HQ, D, generator=gen)
+        kv = [
+            (torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen))
+            for _ in range(layers)
+        ]
+        if i == 10:  # this forward fails after its first layer: the next step must not append to stale copies
+            TorchPagedAttention(pool, table, batch, staging).attend(0, q, *kv[0], D**-0.5)
+            continue
+        before = gathers
+        staged = TorchPagedAttention(pool, table, batch, staging)
+        out = [staged.attend(layer, q, *kv[layer], D**-0.5) for layer in range(layers)]
+        appended = gathers == before
+        fresh = TorchPagedAttention(pool, table, batch)
+        for layer in range(layers):
+            ref = fresh.attend(layer, q, *kv[layer], D**-0.5)
+            torch.testing.assert_close(out[layer], ref, atol=1e-6, rtol=1e-6)
+        first_of_run = i == 0 or schedule[i - 1][0] != rows or i == 11
+        grew = step == 64  # rows 3-4 staged 104 positions (2 x 52) at step 11; their suffixes reach 105 here
+        assert appended == (not first_of_run and not grew), (i, step, appended)
+    assert staging.keys[0].shape[2] == 2 * 105
