@@ -9,7 +9,7 @@ expose the same loop one step at a time.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,8 @@ class Engine:
         self.overlap = self.overlap and not self.speculative
         self._in_flight: _Launched | None = None
         self._drained: list[Sample] = []
+        self._row_params: tuple[tuple[SamplingParams, ...], SamplingTensors] | None = None
+        """The last step's sampling rows' params and their tensors, reused while the rows keep them."""
         self.stats = EngineStats()
 
     def _use_fused_kernels(self, cfg: RolloutConfig) -> bool:
@@ -668,16 +670,21 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row i samples response position len(output) + j of its (request, j): j > 0 are draft rows, whose
         uniform numbers are the ones plain decoding would use there, so speculation changes no sample."""
-        ps = [r.params for r, _ in rows]
-        st = SamplingTensors.build(
-            [p.temperature for p in ps],
-            [p.top_k for p in ps],
-            [p.top_p for p in ps],
-            [p.min_p for p in ps],
-            uniforms([r.seed for r, _ in rows], [len(r.output_ids) + j for r, j in rows]),
-            self.args.vocab_size,
-            self.device,
-        )
+        ps = tuple(r.params for r, _ in rows)
+        uniform = uniforms([r.seed for r, _ in rows], [len(r.output_ids) + j for r, j in rows])
+        if self._row_params is not None and self._row_params[0] == ps:  # decode steps over the same rows
+            st = replace(self._row_params[1], uniform=host_to_device(uniform, self.device))
+        else:
+            st = SamplingTensors.build(
+                [p.temperature for p in ps],
+                [p.top_k for p in ps],
+                [p.top_p for p in ps],
+                [p.min_p for p in ps],
+                uniform,
+                self.args.vocab_size,
+                self.device,
+            )
+            self._row_params = (ps, st)
         with fused.fused_kernels(self.runner.fused_kernels):
             return self._sample_rows(logits, st)
 
