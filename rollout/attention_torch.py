@@ -92,8 +92,32 @@ class _SharedPrefixes:
     """[G, P] KV slots of each group's prefix (padded with slot 0)."""
     bias: torch.Tensor | None
     """[G, 1, 1, P] additive mask, -inf past a shorter prefix; None when all prefixes have the same length."""
-    buffers: tuple[torch.Tensor, torch.Tensor] | None
-    """Gather targets for the prefix keys and values, reused by every layer of the step (None: staged)."""
+
+
+@dataclass
+class _DecodeOrder:
+    """What planning a decode-only step derives from its batch's rows and prefix groups alone. The next step
+    over the same rows, one token further, reuses it (with staging, on CPU)."""
+
+    rows: list[int]
+    groups: list[int] | None
+    prefix_lens: list[int] | None
+    kv_lens: np.ndarray
+    order: np.ndarray
+    """Batch index of each decode in decode order."""
+    tokens: torch.Tensor
+    in_place: bool
+    first: np.ndarray
+    """Shared-prefix length of each decode, in decode order."""
+    shared: _SharedPrefixes | None
+
+    def continues(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.rows == self.rows
+            and batch.prefix_groups == self.groups
+            and batch.prefix_lens == self.prefix_lens
+            and np.array_equal(np.asarray(batch.kv_lens) - 1, self.kv_lens)
+        )
 
 
 @dataclass
@@ -124,6 +148,20 @@ class TorchPagedAttention:
         self.pool, self.out_slots = pool, batch.out_slots
         self.staging = staging
         self.staged = False
+        self.dec_tokens: torch.Tensor | None = None
+        self.dec_in_place = False
+        self.shared: _SharedPrefixes | None = None
+        decode_only = bool(batch.q_lens) and max(batch.q_lens) == 1
+        if (
+            decode_only
+            and staging is not None
+            and staging.order is not None
+            and staging.order.continues(batch)
+        ):
+            self.short, self.prefills = None, []
+            staging.order.kv_lens = np.asarray(batch.kv_lens)
+            self._plan_step(table, staging.order)
+            return
         starts = batch.q_starts
         short = [i for i, n in enumerate(batch.q_lens) if 1 < n <= _SHORT_EXTEND]
         self.short = self._plan_short(table, batch, short, starts) if len(short) > 1 else None
@@ -133,19 +171,19 @@ class TorchPagedAttention:
             for i, n in enumerate(batch.q_lens)
             if n > 1 and i not in batched
         ]
-        self.dec_tokens: torch.Tensor | None = None
-        self.dec_in_place = False
-        self.shared: _SharedPrefixes | None = None
         decodes = [i for i, n in enumerate(batch.q_lens) if n == 1]
         if decodes:
-            self._plan_decodes(table, batch, decodes, starts)
+            plan = self._plan_order(table, batch, decodes, starts)
+            if staging is not None:
+                staging.order = plan if decode_only else None
+            self._plan_step(table, plan)
         elif staging is not None:
             staging.clear()
 
-    def _plan_decodes(
+    def _plan_order(
         self, table: RequestTable, batch: ForwardBatch, decodes: list[int], starts: list[int]
-    ) -> None:
-        device, lay = self.pool.device, self.pool.layout
+    ) -> _DecodeOrder:
+        device = self.pool.device
         groups: list[tuple[int, list[int]]] = []  # (shared prefix length, members as batch indices)
         if device.type == "cpu" and batch.prefix_groups is not None:
             found: dict[tuple[int, int], list[int]] = {}
@@ -157,21 +195,34 @@ class TorchPagedAttention:
         prefix = {i: length for length, idx in groups for i in idx}
         order = np.array([i for _, idx in groups for i in idx] + [i for i in decodes if i not in prefix])
         tokens = np.asarray(starts)[order]
-        # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the output.
-        self.dec_in_place = (
-            not self.prefills and self.short is None and bool((tokens == np.arange(len(order))).all())
+        return _DecodeOrder(
+            rows=batch.rows,
+            groups=batch.prefix_groups,
+            prefix_lens=batch.prefix_lens,
+            kv_lens=np.asarray(batch.kv_lens),
+            order=order,
+            tokens=host_to_device(tokens, device),
+            # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the
+            # output.
+            in_place=not self.prefills
+            and self.short is None
+            and bool((tokens == np.arange(len(order))).all()),
+            first=np.array([prefix.get(i, 0) for i in order.tolist()]),
+            shared=self._plan_groups(table, batch, groups) if groups else None,
         )
-        self.dec_tokens = host_to_device(tokens, device)
-        first = np.array([prefix.get(i, 0) for i in order.tolist()])
-        suffix = np.asarray(batch.kv_lens)[order] - first
+
+    def _plan_step(self, table: RequestTable, plan: _DecodeOrder) -> None:
+        """The decode rows' per-step plan: their suffixes, the staging or gathers that bring them, the mask."""
+        device, lay = self.pool.device, self.pool.layout
+        self.dec_tokens, self.dec_in_place, self.shared = plan.tokens, plan.in_place, plan.shared
+        order, first = plan.order, plan.first
+        suffix = plan.kv_lens[order] - first
         width = int(suffix.max())
-        rows = np.asarray(batch.rows)[order]
+        rows = np.asarray(plan.rows)[order]
         if self.staging is not None:
             self.staged = device.type == "cpu" and self.staging.begin(rows, first, suffix)
-        if groups:
-            self.shared = self._plan_groups(table, batch, groups)
-        elif self.staged:
-            self.staging.no_prefix()  # type: ignore[union-attr]
+            if self.staged and self.shared is None:
+                self.staging.no_prefix()
         self.dec_slots: torch.Tensor | None = None
         if not (self.staged and self.staging.appending):  # type: ignore[union-attr]
             cols = np.minimum(first[:, None] + np.arange(width), table.max_context - 1)
@@ -259,14 +310,7 @@ class TorchPagedAttention:
         if beyond.any():
             slots.masked_fill_(host_to_device(beyond, device), 0)
             bias = _step_mask(~beyond[:, None, None, :], lay.dtype, device)
-        buffers = None
-        if not self.staged:
-            shape = (len(groups), len(positions), lay.num_kv_heads, lay.head_dim)
-            buffers = (
-                torch.empty(shape, dtype=lay.dtype, device=device),
-                torch.empty(shape, dtype=lay.dtype, device=device),
-            )
-        return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias, buffers)
+        return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias)
 
     def kv_write(self, layer_idx: int) -> None:
         return None  # the reference backend writes through `pool.write`
@@ -322,7 +366,7 @@ class TorchPagedAttention:
         if self.staged:
             pk, pv = self.staging.prefix(layer_idx, sh.slots)  # type: ignore[union-attr]
         else:
-            pk, pv = self.pool.gather(layer_idx, sh.slots, sh.buffers)  # [G, P, Hkv, D]
+            pk, pv = self.pool.gather(layer_idx, sh.slots)  # [G, P, Hkv, D]
             pk, pv = pk.transpose(1, 2), pv.transpose(1, 2)
         p_out, p_lse = _flash_lse(gq, pk, pv, sh.bias, scale)
         p_out = p_out.view(g, hkv, m, -1, d).transpose(1, 2)  # [G, M, Hkv, Hq / Hkv, D]

@@ -12,6 +12,8 @@ layout the CPU flash-attention kernel reads fastest.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -49,6 +51,8 @@ class DecodeStaging:
         """Whether the last step went through every layer (a failed forward leaves stale layers)."""
         self.appending = self.uniform = False
         self._prefix_fresh = True
+        self.order: Any = None
+        """The attention backend's plan of the last decode-only step, for the next to reuse (attention_torch)."""
 
     # per step ------------------------------------------------------------------------------------
     def begin(self, rows: np.ndarray, first: np.ndarray, lengths: np.ndarray) -> bool:

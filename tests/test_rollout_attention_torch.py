@@ -123,8 +123,8 @@ def _decode_step(
 
 
 def test_staged_decode_steps_equal_fresh_gathers() -> None:
-    """Consecutive decode steps that carry their keys and values over (DecodeStaging) attend exactly as
-    steps that gather everything again: appending one token per step at equal and unequal suffix lengths,
+    """Consecutive decode steps that carry their plan, keys and values over (DecodeStaging) attend exactly as
+    steps that plan and gather everything again: appending one token per step at equal and unequal suffix lengths,
     after a row leaves, when a suffix outgrows the staged capacity, and after a forward failed half-way."""
     from miles.rollout.decode_staging import DecodeStaging
 
@@ -164,8 +164,10 @@ def test_staged_decode_steps_equal_fresh_gathers() -> None:
         if i == 10:  # this forward fails after its first layer: the next step must not append to stale copies
             TorchPagedAttention(pool, table, batch, staging).attend(0, q, *kv[0], D**-0.5)
             continue
-        before = gathers
+        before, planned = gathers, staging.order
         staged = TorchPagedAttention(pool, table, batch, staging)
+        # The same rows one token further reuse the last step's plan, even after a failed forward.
+        assert (staging.order is planned) == (i > 0 and schedule[i - 1][0] == rows)
         out = [staged.attend(layer, q, *kv[layer], D**-0.5) for layer in range(layers)]
         appended = gathers == before
         fresh = TorchPagedAttention(pool, table, batch)
