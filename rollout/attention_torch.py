@@ -220,7 +220,8 @@ class TorchPagedAttention:
         width = int(suffix.max())
         rows = np.asarray(plan.rows)[order]
         if self.staging is not None:
-            self.staged = device.type == "cpu" and self.staging.begin(rows, first, suffix)
+            tenancy = table.tenancy[rows]
+            self.staged = device.type == "cpu" and self.staging.begin(rows, tenancy, first, suffix)
             if self.staged and self.shared is None:
                 self.staging.no_prefix()
         self.dec_slots: torch.Tensor | None = None
@@ -347,6 +348,14 @@ class TorchPagedAttention:
         """q [B, Hq, D] in decode order -> [B, Hkv, Hq / Hkv, D] (in any memory layout); the query heads of
         each KV head ride in the query dimension. k/v: the step's new keys and values (in decode order where
         staged), already in the pool."""
+        out = self._attend_decodes(layer_idx, q, k, v, scale)
+        if self.staged:
+            self.staging.layer_done(layer_idx)  # type: ignore[union-attr]
+        return out
+
+    def _attend_decodes(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         b, hq, d = q.shape
         hkv = self.pool.layout.num_kv_heads
         qg = q.reshape(b, hkv, hq // hkv, d)

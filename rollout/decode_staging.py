@@ -40,6 +40,7 @@ class DecodeStaging:
     def clear(self) -> None:
         """Forget everything: the next step gathers."""
         self.rows: np.ndarray | None = None
+        self.tenancy: np.ndarray | None = None
         self.first: np.ndarray | None = None
         self.lengths: np.ndarray | None = None
         self.keys: list[torch.Tensor] = []
@@ -55,14 +56,17 @@ class DecodeStaging:
         """The attention backend's plan of the last decode-only step, for the next to reuse (attention_torch)."""
 
     # per step ------------------------------------------------------------------------------------
-    def begin(self, rows: np.ndarray, first: np.ndarray, lengths: np.ndarray) -> bool:
-        """Start a decode step over `rows` (table rows in decode order) with own-suffix `lengths` after
-        `first` shared positions. Returns whether this step can stage at all; then `suffix` serves it."""
+    def begin(self, rows: np.ndarray, tenancy: np.ndarray, first: np.ndarray, lengths: np.ndarray) -> bool:
+        """Start a decode step over `rows` (table rows in decode order, held by their `tenancy`-th requests)
+        with own-suffix `lengths` after `first` shared positions. Returns whether this step can stage at
+        all; then `suffix` and `prefix` serve it, and `layer_done` marks each layer finished."""
         width = int(lengths.max())
         extends = (
             self.completed
             and self.rows is not None
             and np.array_equal(rows, self.rows)
+            # A row freed and handed to another request whose length happens to follow on is a new request.
+            and np.array_equal(tenancy, self.tenancy)  # type: ignore[arg-type]
             and np.array_equal(first, self.first)  # type: ignore[arg-type]
             and np.array_equal(lengths, self.lengths + 1)  # type: ignore[operator]
             and width <= self.keys[0].shape[2]
@@ -73,7 +77,7 @@ class DecodeStaging:
             if self._bytes(len(rows), capacity) > MAX_BYTES:
                 self.clear()
                 return False
-            self.rows, self.first = rows, first
+            self.rows, self.tenancy, self.first = rows, tenancy, first
             self.keys, self.values = [], []
         self.lengths = lengths
         self.appending = extends
@@ -113,9 +117,12 @@ class DecodeStaging:
             values[:, :, :width].copy_(v.permute(1, 2, 0, 3))
             self.keys.append(keys)
             self.values.append(values)
+        return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
+
+    def layer_done(self, layer: int) -> None:
+        """`layer` attended with everything staged; after the last one the step's copies are complete."""
         if layer == self.num_layers - 1:
             self.completed = True
-        return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
 
     def no_prefix(self) -> None:
         """This step has no shared prefixes: the next one that has gathers its own."""

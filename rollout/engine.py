@@ -176,8 +176,9 @@ class Engine:
         self.overlap = self.overlap and not self.speculative
         self._in_flight: _Launched | None = None
         self._drained: list[Sample] = []
-        self._row_params: tuple[tuple[SamplingParams, ...], SamplingTensors] | None = None
-        """The last step's sampling rows' params and their tensors, reused while the rows keep them."""
+        self._row_params: tuple[list[tuple[float, int, float, float]], SamplingTensors] | None = None
+        """The last step's rows' (temperature, top_k, top_p, min_p) and their tensors, reused while the values
+        stay (compared by value: a caller may change a SamplingParams in place between calls)."""
         self.stats = EngineStats()
 
     def _use_fused_kernels(self, cfg: RolloutConfig) -> bool:
@@ -670,21 +671,16 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row i samples response position len(output) + j of its (request, j): j > 0 are draft rows, whose
         uniform numbers are the ones plain decoding would use there, so speculation changes no sample."""
-        ps = tuple(r.params for r, _ in rows)
+        settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.params for r, _ in rows)]
         uniform = uniforms([r.seed for r, _ in rows], [len(r.output_ids) + j for r, j in rows])
-        if self._row_params is not None and self._row_params[0] == ps:  # decode steps over the same rows
+        if self._row_params is not None and self._row_params[0] == settings:  # e.g. decode steps
             st = replace(self._row_params[1], uniform=host_to_device(uniform, self.device))
         else:
+            temperature, top_k, top_p, min_p = (list(column) for column in zip(*settings))
             st = SamplingTensors.build(
-                [p.temperature for p in ps],
-                [p.top_k for p in ps],
-                [p.top_p for p in ps],
-                [p.min_p for p in ps],
-                uniform,
-                self.args.vocab_size,
-                self.device,
+                temperature, top_k, top_p, min_p, uniform, self.args.vocab_size, self.device
             )
-            self._row_params = (ps, st)
+            self._row_params = (settings, st)
         with fused.fused_kernels(self.runner.fused_kernels):
             return self._sample_rows(logits, st)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from miles.models.args import ModelArgs
@@ -164,11 +165,16 @@ class RequestTable:
         self.max_requests, self.max_context = max_requests, max_context
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.tenancy = np.zeros(max_requests, dtype=np.int64)
+        """How many requests each row has been handed to: a row's next request gets a new number, so state
+        kept per row between steps (decode_staging.py) can tell its requests apart."""
 
     def alloc(self) -> int:
         if not self._free_rows:
             raise RuntimeError("request table full (scheduler bug)")
-        return self._free_rows.pop()
+        row = self._free_rows.pop()
+        self.tenancy[row] += 1
+        return row
 
     def free(self, row: int) -> None:
         self._free_rows.append(row)

@@ -391,3 +391,88 @@ def test_graph_capture_out_of_memory_falls_back_to_eager_decode(caplog: pytest.L
     assert [s.rollout_logprobs for s in got] == [s.rollout_logprobs for s in expected]
     assert stub.replays == 1 and stub.resets == 1 and engine.runner.graphs is None
     assert "decoding without CUDA graphs" in caplog.text
+
+
+def test_a_row_handed_to_a_new_request_is_not_staged_from_the_old_one() -> None:
+    """CPU decode staging keeps a row's gathered keys between steps. A request that finishes frees its
+    table row; the next request to get that row, with a prompt one token longer than the old sequence and
+    all but one token cached, looks like the old request one token further. It must be attended from its
+    own keys (the same tokens as without staging)."""
+    model = tiny_model(False, seed=1, max_position_embeddings=200)
+
+    def run(staging: bool) -> list[int]:
+        engine = Engine(model, None, config(page_size=1, max_running_requests=4))
+        if not staging:
+            engine.runner.staging = None
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        cached = [(7 * i + 3) % 96 for i in range(40)]
+        engine.generate([cached], greedy.with_(max_new_tokens=2))  # its tokens stay in the radix cache
+        # 20 + 6 tokens: its last step attends over 25 positions of row 0, then frees the row.
+        engine.generate([[(11 * i + 5) % 96 for i in range(20)]], greedy.with_(max_new_tokens=6))
+        # Row 0 again; 25 cached tokens and one to compute: a one-token step over 26 positions.
+        return engine.generate([cached[:25] + [42]], greedy.with_(max_new_tokens=4))[0].response_ids
+
+    assert run(staging=True) == run(staging=False)
+
+
+def test_sampling_params_changed_in_place_take_effect() -> None:
+    """The engine reuses the last step's sampling tensors while the rows' settings stay the same; a caller
+    that changes a SamplingParams object between calls gets the new settings."""
+    model = tiny_model(False, seed=1)
+    prompt = [5, 6, 7, 8, 9]
+    engine = Engine(model, None, config())
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    engine.generate([prompt], params)
+    params.temperature = 0.0  # the same object, now greedy
+    got = engine.generate([prompt], params)[0].response_ids
+    greedy = Engine(model, None, config()).generate(
+        [prompt], SamplingParams(temperature=0.0, max_new_tokens=8)
+    )
+    assert got == greedy[0].response_ids
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_decode_staging_gives_the_same_samples(speculative: str) -> None:
+    """Staged CPU decode (keys, values and plans carried between steps) against gathering every step, on a
+    workload that changes its rows often: shared-prefix groups of different sizes, chunked prefill beside
+    decodes, a pool small enough to retract requests, stop ids, and n-gram verify steps."""
+    model = tiny_model(False, seed=1, max_position_embeddings=200)
+    base = [(13 * i + 7) % 96 for i in range(20)]
+    prompts = [base + [1, 2], base + [3], [(5 * i + 1) % 96 for i in range(12)], base, [9, 8, 7]]
+    params = [
+        SamplingParams(n=n, temperature=t, max_new_tokens=m, seed=s, stop_token_ids=[stop])
+        for n, t, m, s, stop in [
+            (3, 1.0, 30, 1, 17),
+            (2, 0.0, 25, 2, 90),
+            (1, 0.8, 30, 3, 5),
+            (3, 1.0, 12, 4, 60),
+            (2, 1.0, 30, 5, 33),
+        ]
+    ]
+    cfg = dict(
+        kv_cache_bytes=kv_bytes(model, 64),
+        max_batch_tokens=24,
+        max_running_requests=16,
+        page_size=1,
+        speculative=speculative,
+        spec_draft_tokens=3,
+    )
+
+    def run(staging: bool) -> tuple[list[Sample], int]:
+        engine = Engine(model, None, config(**cfg))
+        if not staging:
+            engine.runner.staging = None
+        rids = [
+            engine.add_request(p, sp, group_id=i, index=j)
+            for i, (p, sp) in enumerate(zip(prompts, params))
+            for j in range(sp.n)
+        ]
+        while engine.has_unfinished:
+            engine.step()
+        return [engine.take_result(r) for r in rids], engine.stats.preemptions
+
+    (staged, preemptions), (gathered, _) = run(True), run(False)
+    assert preemptions > 0, "the pool was meant to retract requests"
+    assert [s.response_ids for s in staged] == [s.response_ids for s in gathered]
+    for a, b in zip(staged, gathered):
+        torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
