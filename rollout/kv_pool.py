@@ -110,10 +110,11 @@ class KVPool:
         return self.v_cache[layer]  # type: ignore[index]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = (self.num_slots, self.layout.num_kv_heads * self.layout.head_dim)
-        dtype = self.layout.dtype
-        self.k_cache[layer].view(rows).index_copy_(0, slots, k.reshape(len(slots), -1).to(dtype))  # type: ignore[index]
-        self.v_cache[layer].view(rows).index_copy_(0, slots, v.reshape(len(slots), -1).to(dtype))  # type: ignore[index]
+        """k/v [N, num_kv_heads, head_dim] (any strides) into `slots` [N]."""
+        lay = self.layout
+        shape = (self.num_slots, lay.num_kv_heads, lay.head_dim)
+        self.k_cache[layer].view(shape).index_copy_(0, slots, k.to(lay.dtype))  # type: ignore[index]
+        self.v_cache[layer].view(shape).index_copy_(0, slots, v.to(lay.dtype))  # type: ignore[index]
 
     def gather(
         self, layer: int, slots: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
