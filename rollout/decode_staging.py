@@ -3,11 +3,12 @@
 Each decode step attends over every row's own suffix (its positions after a shared prefix) and over each
 group's shared prefix. Gathered from the KV pool afresh, that is two row gathers per layer and step that
 re-copy everything the previous step copied. When a step decodes the same rows as the step just before it,
-in the same order, one token further, nothing the previous step gathered has changed: a running request's
-slots are never rewritten, and a prefix's slots stay locked while its requests run. Such a step only appends
-its new token's key and value per layer; any other step (rows joined or left, a prefill, a verify chunk, a
-forward that failed half-way) gathers again. The copies are laid out [rows, heads, positions, dim], the
-layout the CPU flash-attention kernel reads fastest.
+held by the same requests (`RequestTable.tenancy`), in the same order, one token further, nothing the
+previous step gathered has changed: a running request's slots are never rewritten, and a prefix's slots stay
+locked while its requests run. Such a step only appends its new token's key and value per layer; any other
+step (rows joined or left, a prefill, a verify chunk, a forward that failed half-way) gathers again. The
+copies are laid out [rows, heads, positions, dim], the layout the CPU flash-attention kernel reads fastest.
+The attention backend also keeps its last decode plan here (`order`), for the next step to reuse.
 """
 
 from __future__ import annotations
