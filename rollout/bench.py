@@ -12,6 +12,7 @@ import argparse
 import functools
 import json
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -417,6 +418,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-start", type=int, default=300)
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the engine (then the HF baseline) this many times and report the median wall times; the "
+        "other numbers are the last engine run's (for noisy shared CPUs)",
+    )
+    p.add_argument(
         "--moe-configs",
         default=None,
         metavar="JSON",
@@ -427,6 +435,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse(argv)
+    if a.repeat < 1 or (a.repeat > 1 and a.profile):
+        raise SystemExit("miles bench rollout: --repeat must be >= 1, and 1 with --profile")
     if a.moe_configs:
         fused_moe.tables = fused_moe.load_tables(a.moe_configs)
     device = torch.device(
@@ -478,8 +488,6 @@ def main(argv: list[str]) -> int:
         0, args.vocab_size, (min(8, a.num_prompts), min(a.input_len, 64)), generator=gen
     ).tolist()
     engine.generate(warm, params.with_(max_new_tokens=4, n=1))
-    engine.flush_cache()
-    engine.metrics(reset=True)
     breakdown: dict[str, float] = {}
     if a.breakdown:
         add_breakdown(engine, breakdown)
@@ -487,20 +495,27 @@ def main(argv: list[str]) -> int:
     record_decode_steps(engine, decode_steps)
     profile_report: dict[str, Any] = {}
     profiler = StepProfiler(engine, a, profile_report) if a.profile else None
-    if on_gpu:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    completed = False
-    try:
-        samples = engine.generate(prompts, params)
+    walls: list[float] = []
+    for _ in range(a.repeat):  # each run from an empty cache, its counters alone
+        engine.flush_cache()
+        engine.metrics(reset=True)
+        breakdown.clear()
+        decode_steps.clear()
         if on_gpu:
             torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
-        completed = True
-    finally:
-        if profiler is not None:
-            profiler.finish(completed)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        completed = False
+        try:
+            samples = engine.generate(prompts, params)
+            if on_gpu:
+                torch.cuda.synchronize(device)
+            walls.append(time.perf_counter() - t0)
+            completed = True
+        finally:
+            if profiler is not None:
+                profiler.finish(completed)
+    wall = statistics.median(walls)
     stats = engine.stats
     out_tokens = sum(len(s.response_ids) for s in samples)
     result: dict[str, Any] = {
@@ -521,6 +536,7 @@ def main(argv: list[str]) -> int:
         "flashinfer_kernel": a.flashinfer_kernel if engine.backend == "flashinfer" else None,
         "moe_configs": a.moe_configs,
         "wall_s": wall,
+        "wall_s_runs": walls,
         "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + a.num_prompts * a.n * a.input_len) / wall,
         "prefill_tokens": stats.prefill_tokens,
@@ -619,18 +635,22 @@ def run_hf_baseline(
             warm,
             **{**kwargs, "attention_mask": torch.ones_like(warm), "max_new_tokens": 2, "min_new_tokens": 2},
         )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = hf.generate(ids, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
+        walls = []
+        for _ in range(a.repeat):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
     generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
     return {
         "hf_num_prompts": num,
         "hf_output_len": out_len,
         "hf_wall_s": wall,
+        "hf_wall_s_runs": walls,
         "hf_output_tokens_per_s": generated / wall,
         "hf_logits_rel_err": rel_err,
     }
@@ -682,6 +702,12 @@ def print_table(r: dict[str, Any]) -> None:
         )
     if "breakdown_s" in r:
         rows.append(("step breakdown s", ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_s"].items())))
+    if len(r["wall_s_runs"]) > 1:
+        runs = ", ".join(f"{w:.3f}" for w in r["wall_s_runs"])
+        rows.append((f"engine wall s, median of {len(r['wall_s_runs'])}", f"{r['wall_s']:.3f} ({runs})"))
+        if "hf_wall_s_runs" in r:
+            runs = ", ".join(f"{w:.3f}" for w in r["hf_wall_s_runs"])
+            rows.append(("HF wall s, median", f"{r['hf_wall_s']:.3f} ({runs})"))
     if "hf_output_tokens_per_s" in r:
         rows.append(
             (

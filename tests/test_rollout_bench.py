@@ -53,6 +53,22 @@ def test_bench_rollout_hf_baseline_uses_return_sequences(capsys: pytest.CaptureF
     assert r["speedup_vs_hf"] == pytest.approx(r["output_tokens_per_s"] / r["hf_output_tokens_per_s"])
 
 
+def test_bench_rollout_repeat_reports_medians_and_one_run_of_counters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    r = run_bench(
+        capsys,
+        "--model", "tiny", "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--n", "2",
+        "--hf-baseline", "--repeat", "3",
+    )  # fmt: skip
+    assert len(r["wall_s_runs"]) == 3 and r["wall_s"] == sorted(r["wall_s_runs"])[1]
+    assert len(r["hf_wall_s_runs"]) == 3 and r["hf_wall_s"] == sorted(r["hf_wall_s_runs"])[1]
+    assert r["prefill_tokens"] + r["cached_prompt_tokens"] == 3 * 2 * 8  # the last run's, not three runs'
+    assert r["output_tokens_per_s"] == pytest.approx(3 * 2 * 4 / r["wall_s"])
+    with pytest.raises(SystemExit, match="--repeat"):
+        bench.main(["--model", "tiny", "--device", "cpu", "--repeat", "2", "--profile", "/tmp/unused"])
+
+
 def test_device_idle_merges_overlapping_kernels_and_names_the_gaps() -> None:
     from types import SimpleNamespace
 
