@@ -9,8 +9,10 @@ line, then a short table.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
+import pstats
 import resource
 import statistics
 import sys
@@ -186,6 +188,21 @@ def decode_by_batch(
             }
         )
     return rows
+
+
+def host_profile_top(prof: cProfile.Profile, steps: int, top: int = 30) -> list[dict[str, Any]]:
+    """The functions that took the most cumulative time, per engine step (from `--host-profile`)."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda item: -item[1][3])[:top]
+    return [
+        {
+            "function": f"{Path(file).name}:{line}({name})" if line else name,
+            "cum_ms_per_step": 1e3 * cumulative / steps,
+            "self_ms_per_step": 1e3 * own / steps,
+            "calls_per_step": calls / steps,
+        }
+        for (file, line, name), (_, calls, own, cumulative, _) in rows
+    ]
 
 
 class StepProfiler:
@@ -418,6 +435,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-start", type=int, default=300)
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile the (last) timed run: the engine's host functions by cumulative time per step in the "
+        "JSON (Python times inflated by the profiler, C++ calls such as kernel and graph launches not)",
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -496,7 +519,10 @@ def main(argv: list[str]) -> int:
     profile_report: dict[str, Any] = {}
     profiler = StepProfiler(engine, a, profile_report) if a.profile else None
     walls: list[float] = []
-    for _ in range(a.repeat):  # each run from an empty cache, its counters alone
+    host_profile: cProfile.Profile | None = None
+    for run in range(a.repeat):  # each run from an empty cache, its counters alone
+        if a.host_profile and run == a.repeat - 1:
+            host_profile = cProfile.Profile()
         engine.flush_cache()
         engine.metrics(reset=True)
         breakdown.clear()
@@ -507,12 +533,16 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         completed = False
         try:
+            if host_profile is not None:
+                host_profile.enable()
             samples = engine.generate(prompts, params)
             if on_gpu:
                 torch.cuda.synchronize(device)
             walls.append(time.perf_counter() - t0)
             completed = True
         finally:
+            if host_profile is not None:
+                host_profile.disable()
             if profiler is not None:
                 profiler.finish(completed)
     wall = statistics.median(walls)
@@ -597,6 +627,8 @@ def main(argv: list[str]) -> int:
         )
     if breakdown:
         result["breakdown_s"] = breakdown
+    if host_profile is not None:
+        result["host_profile_top"] = host_profile_top(host_profile, max(stats.steps, 1))
     result.update(profile_report)
     if a.hf_baseline:
         engine.release_memory()
@@ -735,6 +767,13 @@ def print_table(r: dict[str, Any]) -> None:
             print(f"  {e['ms_per_step']:8.3f} ms  x{e['calls_per_step']:<6.1f} {e['name'][:90]}")
         for g in r.get("profile_longest_gaps", []):
             print(f"  idle {g['ms']:.3f} ms after {g['after'][:50]} before {g['before'][:50]}")
+    if "host_profile_top" in r:
+        print("host (cProfile), ms per step: cumulative, own, calls")
+        for e in r["host_profile_top"]:
+            print(
+                f"  {e['cum_ms_per_step']:8.3f} {e['self_ms_per_step']:8.3f} x{e['calls_per_step']:<7.1f} "
+                f"{e['function'][:90]}"
+            )
 
 
 if __name__ == "__main__":

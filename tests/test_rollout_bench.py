@@ -69,6 +69,17 @@ def test_bench_rollout_repeat_reports_medians_and_one_run_of_counters(
         bench.main(["--model", "tiny", "--device", "cpu", "--repeat", "2", "--profile", "/tmp/unused"])
 
 
+def test_bench_rollout_host_profile_lists_the_engine_step(capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bench(
+        capsys,
+        "--model", "tiny", "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--host-profile",
+    )  # fmt: skip
+    top = r["host_profile_top"]
+    assert any(e["function"].startswith("engine.py") and e["function"].endswith("(step)") for e in top)
+    assert all(e["cum_ms_per_step"] >= e["self_ms_per_step"] >= 0 for e in top)
+    assert [e["cum_ms_per_step"] for e in top] == sorted((e["cum_ms_per_step"] for e in top), reverse=True)
+
+
 def test_device_idle_merges_overlapping_kernels_and_names_the_gaps() -> None:
     from types import SimpleNamespace
 
