@@ -105,18 +105,21 @@ class _DecodeOrder:
     kv_lens: np.ndarray
     order: np.ndarray
     """Batch index of each decode in decode order."""
+    decode_rows: np.ndarray
+    """Table row of each decode, in decode order."""
     tokens: torch.Tensor
     in_place: bool
     first: np.ndarray
     """Shared-prefix length of each decode, in decode order."""
     shared: _SharedPrefixes | None
 
-    def continues(self, batch: ForwardBatch) -> bool:
+    def continues(self, batch: ForwardBatch, kv_lens: np.ndarray) -> bool:
+        """Whether `batch` (whose `kv_lens` as an array are given) is this plan's batch one token further."""
         return (
             batch.rows == self.rows
             and batch.prefix_groups == self.groups
             and batch.prefix_lens == self.prefix_lens
-            and np.array_equal(np.asarray(batch.kv_lens) - 1, self.kv_lens)
+            and np.array_equal(kv_lens - 1, self.kv_lens)
         )
 
 
@@ -152,16 +155,13 @@ class TorchPagedAttention:
         self.dec_in_place = False
         self.shared: _SharedPrefixes | None = None
         decode_only = bool(batch.q_lens) and max(batch.q_lens) == 1
-        if (
-            decode_only
-            and staging is not None
-            and staging.order is not None
-            and staging.order.continues(batch)
-        ):
-            self.short, self.prefills = None, []
-            staging.order.kv_lens = np.asarray(batch.kv_lens)
-            self._plan_step(table, staging.order)
-            return
+        if decode_only and staging is not None and staging.order is not None:
+            kv_lens = np.asarray(batch.kv_lens)
+            if staging.order.continues(batch, kv_lens):
+                self.short, self.prefills = None, []
+                staging.order.kv_lens = kv_lens
+                self._plan_step(table, staging.order)
+                return
         starts = batch.q_starts
         short = [i for i, n in enumerate(batch.q_lens) if 1 < n <= _SHORT_EXTEND]
         self.short = self._plan_short(table, batch, short, starts) if len(short) > 1 else None
@@ -201,6 +201,7 @@ class TorchPagedAttention:
             prefix_lens=batch.prefix_lens,
             kv_lens=np.asarray(batch.kv_lens),
             order=order,
+            decode_rows=np.asarray(batch.rows)[order],
             tokens=host_to_device(tokens, device),
             # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the
             # output.
@@ -218,7 +219,7 @@ class TorchPagedAttention:
         order, first = plan.order, plan.first
         suffix = plan.kv_lens[order] - first
         width = int(suffix.max())
-        rows = np.asarray(plan.rows)[order]
+        rows = plan.decode_rows
         if self.staging is not None:
             tenancy = table.tenancy[rows]
             self.staged = device.type == "cpu" and self.staging.begin(rows, tenancy, first, suffix)
