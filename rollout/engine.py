@@ -88,6 +88,8 @@ class _Launched:
     extend: list[bool]
     """Per chunk: it computes prompt (or recomputed) tokens, so its prefix goes into the radix cache."""
     sampled: list[Chunk]
+    """The chunks that sample, then one empty chunk per fork (`StepPlan.forks`), in sample-row order."""
+    forks: list[Request]
     tokens: torch.Tensor | None
     """[S] the sampled token ids on the device (the next step's decode inputs are gathered from it)."""
     host: torch.Tensor | None
@@ -330,7 +332,7 @@ class Engine:
             for req, message in plan.failed:
                 if not req.finished:
                     finished.append(self._finish(req, SampleStatus.ABORTED, message))
-        launched = self._launch(plan.chunks) if plan.chunks else None
+        launched = self._launch(plan.chunks, plan.forks) if plan.chunks else None
         if self._in_flight is not None:
             self._last_step_ran = True
         finished.extend(self._resolve())
@@ -496,10 +498,12 @@ class Engine:
             )
         return None
 
-    def _launch(self, chunks: list[Chunk]) -> _Launched:
-        """Queue the forward and sampling of `chunks`; nothing here waits for the device."""
+    def _launch(self, chunks: list[Chunk], forks: list[tuple[Request, Request]]) -> _Launched:
+        """Queue the forward and sampling of `chunks` (and of the `forks`, which sample their leaders' last
+        logits rows); nothing here waits for the device."""
         s = self.stats
-        for c in chunks:
+        fork_chunks = [Chunk(req, len(req.prompt_ids), 0, True) for req, _ in forks]
+        for c in chunks + fork_chunks:
             if not c.req.admitted:
                 c.req.admitted = True
                 c.req.cached_tokens = c.start
@@ -519,33 +523,45 @@ class Engine:
         for c in chunks:
             c.req.inflight_tokens = c.length
         sampled = [c for c in chunks if c.samples]
+        fork_reqs = [req for req, _ in forks]
         if not sampled:
-            return _Launched(chunks, extend, sampled, None, None, None)
+            return _Launched(chunks, extend, sampled, fork_reqs, None, None, None)
+        if forks:
+            first_row, row = {}, 0
+            for c in sampled:
+                first_row[c.req.rid] = row
+                row += c.sample_rows
+            leader_rows = [first_row[leader.rid] for _, leader in forks]
+            logits = torch.cat((logits, logits[host_to_device(torch.tensor(leader_rows), self.device)]))
+            sampled = sampled + fork_chunks
         tokens, logprobs = self._sample(logits, [(c.req, j) for c in sampled for j in range(c.sample_rows)])
         values = torch.stack([tokens.double(), logprobs.double()])
         if self.device.type != "cuda":
-            return _Launched(chunks, extend, sampled, tokens, values, None)
+            return _Launched(chunks, extend, sampled, fork_reqs, tokens, values, None)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _Launched(chunks, extend, sampled, tokens, host, done)
+        return _Launched(chunks, extend, sampled, fork_reqs, tokens, host, done)
 
     def _commit(self, step: _Launched) -> None:
         """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""
         for c in step.chunks:
             c.req.kv_len += c.req.inflight_tokens  # 0 for a request `_finish` already settled
             c.req.inflight_tokens = 0
+        for c, e in zip(step.chunks, step.extend):
+            if e and not c.req.finished:
+                self.kv.cache_unfinished(c.req)
+        for req in step.forks:  # after the leaders' prompts went into the cache
+            if not self.kv.attach_fork(req):  # e.g. its leader finished at once: compute the prompt itself
+                self.scheduler.requeue(req)
         row = 0
         for c in step.sampled:
-            if not c.req.finished:
+            if not c.req.finished and c.req.row >= 0:
                 c.req.output_ids.append(-1)
                 c.req.logprobs.append(float("nan"))
                 c.req.pending_index = row
             row += c.sample_rows
-        for c, e in zip(step.chunks, step.extend):
-            if e and not c.req.finished:
-                self.kv.cache_unfinished(c.req)
 
     def _resolve(self) -> list[Sample]:
         """Wait for the step in flight, put its tokens in place of the placeholders, finish requests."""

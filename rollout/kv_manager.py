@@ -58,6 +58,24 @@ class KVManager:
             self.tree.inc_lock_ref(match.node)
             req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
 
+    def reserve_row(self, req: Request) -> None:
+        """A table row for a fork (`StepPlan.forks`), whose KV comes with `attach_fork` after the step."""
+        req.row, req.kv_len, req.prefix_len, req.node = self.table.alloc(), 0, 0, None
+
+    def attach_fork(self, req: Request) -> bool:
+        """Point a fork's row at its whole prompt in the tree (its leader's chunk was just cached), pinned.
+        False if the tree does not hold the whole prompt; the row is then given back."""
+        assert self.tree is not None
+        match = self.tree.match_prefix(req.prompt_ids)
+        if match.length < len(req.prompt_ids):
+            self.table.free(req.row)
+            req.row = -1
+            return False
+        self.table.table[req.row, : match.length] = match.slots
+        self.tree.inc_lock_ref(match.node)
+        req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
+        return True
+
     def alloc_extend(self, chunks: list[tuple[Request, int]]) -> torch.Tensor:
         """Slots for the next `n` positions of each request (written into the table); returns them packed."""
         p = self.page_size

@@ -4,7 +4,10 @@ Every step: all decoding requests feed one token each; requests part-way through
 (chunked prefill); new requests are admitted while the token budget (`max_batch_tokens`), the running cap
 and the KV pool allow. Admission is cache-aware: waiting requests with the longest cached prefix go first,
 and a request whose prefix is being computed in this very step by another (the `n` samples of a group) waits
-one step and then finds that prefix in the radix cache instead of computing it again. When decoding
+one step and then finds that prefix in the radix cache instead of computing it again; one whose whole prompt
+another's chunk completes in this step (the other samples of a group) forks from it: it takes its first
+token from that chunk's last logits row, and its prompt's KV from the cache once the chunk is committed, so a
+group's samples decode in lockstep from their first token. When decoding
 requests need slots that the pool (after evicting unlocked cache) does not have, the scheduler retracts
 running requests (fewest generated tokens first); they re-enter the queue and later recompute their KV.
 """
@@ -46,6 +49,10 @@ class StepPlan:
     retracted: list[Request] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
     """Requests that can never run (too long for the pool), with the reason."""
+    forks: list[tuple[Request, Request]] = field(default_factory=list)
+    """(request, leader): fresh requests with the same prompt as a leader whose chunk completes it in this
+    step. They compute nothing: their first token is sampled from the leader's last logits row, and their
+    prompt's KV is the leader's, shared through the radix cache (`KVManager.attach_fork`)."""
 
     @property
     def is_decode(self) -> bool:
@@ -87,6 +94,11 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    def requeue(self, req: Request) -> None:
+        """Put a running request that holds no KV back at the head of the queue."""
+        self.running.remove(req)
+        self.waiting.appendleft(req)
 
     def retract_all(self) -> list[Request]:
         """Give back every running request's KV and queue it again (in its running order, ahead of the rest)."""
@@ -241,15 +253,27 @@ class Scheduler:
         trie = _PrefixTrie()
         for other in in_batch:
             trie.insert(other.prompt_ids)
+        leaders = self._fork_leaders(plan)
         for req in candidates:
-            if (
-                budget <= 0
-                or len(self.running) >= self.cfg.max_running_requests
-                or self.kv.table.num_free == 0
-            ):
+            if len(self.running) >= self.cfg.max_running_requests or self.kv.table.num_free == 0:
                 break
             if req.abort_requested:
                 continue
+            leader = _leader_of(req, leaders) if leaders else None
+            if leader is not None:
+                future = self._expected_new_tokens(req)
+                if self.kv.available_tokens() - reserved - self._planned < future:
+                    break
+                self.kv.reserve_row(req)
+                self.waiting.remove(req)
+                self.running.append(req)
+                plan.forks.append((req, leader))
+                reserved += future
+                continue
+            if budget <= 0:
+                if leaders:
+                    continue  # later candidates may still fork, which costs no budget
+                break
             if self.kv.tree is not None and in_batch:
                 cached = lengths.get(req.rid)
                 if cached is None:
@@ -283,8 +307,44 @@ class Scheduler:
             in_batch.append(req)
             trie.insert(req.prompt_ids)
             reserved += self._expected_new_tokens(req)
-            plan.chunks.append(Chunk.of(req, length))
+            chunk = Chunk.of(req, length)
+            plan.chunks.append(chunk)
             budget -= length
+            if self._can_lead(chunk):
+                leaders.setdefault(_prompt_key(req.prompt_ids), []).append(req)
+
+    def _can_lead(self, chunk: Chunk) -> bool:
+        """Whether other samples of this chunk's prompt can fork from it: the chunk completes a fresh prompt,
+        and the whole prompt goes into the radix cache when the step is committed (page-aligned length)."""
+        req = chunk.req
+        return (
+            self.kv.tree is not None  # without the cache there is nothing to share the prompt's KV through
+            and chunk.samples
+            and not chunk.draft
+            and not req.output_ids
+            and len(req.prompt_ids) % self.kv.page_size == 0
+        )
+
+    def _fork_leaders(self, plan: StepPlan) -> dict[tuple[int, int, int], list[Request]]:
+        leaders: dict[tuple[int, int, int], list[Request]] = {}
+        for chunk in plan.chunks:
+            if self._can_lead(chunk):
+                leaders.setdefault(_prompt_key(chunk.req.prompt_ids), []).append(chunk.req)
+        return leaders
+
+
+def _prompt_key(ids: list[int]) -> tuple[int, int, int]:
+    """A cheap key that equal prompts share (the lists are compared only on a match)."""
+    return (len(ids), ids[0], ids[-1]) if ids else (0, -1, -1)
+
+
+def _leader_of(req: Request, leaders: dict[tuple[int, int, int], list[Request]]) -> Request | None:
+    if req.output_ids:  # a retracted request with output must recompute its own sequence
+        return None
+    for leader in leaders.get(_prompt_key(req.prompt_ids), ()):
+        if leader.prompt_ids == req.prompt_ids:
+            return leader
+    return None
 
 
 class _PrefixTrie:

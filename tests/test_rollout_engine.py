@@ -172,10 +172,10 @@ def test_grpo_groups_prefill_each_prompt_once() -> None:
         counts[radix] = engine.metrics()
         assert_pool_clean(engine)
     lengths = [len(p) for p in prompts]
-    # With the radix cache: each prompt once, plus the last prompt token of each of the other n-1 samples
-    # (a sample needs the logits at that position, so it recomputes that one token).
-    assert counts[True]["rollout/prefill_tokens"] == sum(length + n - 1 for length in lengths)
-    assert counts[True]["rollout/cached_prompt_tokens"] == sum((n - 1) * (length - 1) for length in lengths)
+    # With the radix cache: each prompt exactly once. The other n-1 samples fork from the one that computes
+    # it (their first token comes from its last logits row), so they compute no prompt token at all.
+    assert counts[True]["rollout/prefill_tokens"] == sum(lengths)
+    assert counts[True]["rollout/cached_prompt_tokens"] == sum((n - 1) * length for length in lengths)
     assert counts[False]["rollout/prefill_tokens"] == n * sum(lengths)
     assert counts[False]["rollout/prefix_hit_rate"] == 0.0
 
@@ -256,14 +256,14 @@ def assert_same_samples(got: list[Sample], want: list[Sample]) -> None:
 def overlap_off_and_on(
     model: CausalLM, prompts: list[list[int]], params: SamplingParams
 ) -> dict[str, tuple[list[Sample], Engine]]:
-    """The same requests with overlap scheduling off and on, in a pool of 48 tokens (it preempts)."""
+    """The same requests with overlap scheduling off and on, in a pool of 40 tokens (it preempts)."""
     return generate_per_setting(
         model,
         prompts,
         params,
         "overlap_schedule",
         ("off", "on"),
-        kv_cache_bytes=kv_bytes(model, 48),
+        kv_cache_bytes=kv_bytes(model, 40),
         max_running_requests=16,
     )
 
