@@ -180,6 +180,62 @@ def test_grpo_groups_prefill_each_prompt_once() -> None:
     assert counts[False]["rollout/prefix_hit_rate"] == 0.0
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_group_samples_fork_from_one_prefill_and_decode_in_lockstep(page_size: int) -> None:
+    """The other samples of a group take their first token from the prefill of the one that computes the
+    prompt, so all n decode side by side: one prefill step, then max_new_tokens - 1 decode steps. With pages,
+    a prompt that ends inside a page cannot share that page; its samples compute the rest themselves."""
+    model = tiny_model(True, seed=6)
+    n, new_tokens = 4, 6
+    prompts = [PROMPTS[0], [4, 5, 6, 7] * 3]  # 8 and 12 tokens: whole pages of 4
+    engine = Engine(model, None, config(page_size=page_size))
+    samples = engine.generate(
+        prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens, seed=3)
+    )
+    assert engine.stats.steps == new_tokens, "every sample of a group decodes in the same steps"
+    assert engine.stats.prefill_tokens == sum(len(p) for p in prompts)
+    for s in samples:
+        ref = full_forward_logprobs(model, s.prompt_ids, s.response_ids, 1.0, -1, 1.0, 0.0)
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs), ref, atol=1e-5, rtol=0)
+    assert len({tuple(s.response_ids) for s in samples}) > len(prompts), "forks draw their own tokens"
+    assert_pool_clean(engine)
+    if page_size > 1:
+        engine = Engine(model, None, config(page_size=page_size))
+        odd = [PROMPTS[2]]  # 14 tokens: the forks would need the leader's half-filled last page
+        engine.generate(odd, SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens, seed=3))
+        # The others match the 12 tokens of whole pages and compute the last two themselves.
+        assert engine.stats.prefill_tokens == 14 + (n - 1) * 2
+        assert_pool_clean(engine)
+
+
+def test_a_fork_whose_prompt_is_not_cached_computes_it_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If a fork cannot find its whole prompt in the radix cache after the step, it goes back to the queue
+    (its drawn token dropped) and computes what it lacks; its samples are still exact."""
+    model = tiny_model(False, seed=7)
+    engine = Engine(model, None, config())
+    attach = engine.kv.attach_fork
+    failed: list[int] = []
+
+    def attach_or_fail_once(req) -> bool:
+        if not failed:
+            failed.append(req.rid)
+            engine.kv.table.free(req.row)
+            req.row = -1
+            return False
+        return attach(req)
+
+    monkeypatch.setattr(engine.kv, "attach_fork", attach_or_fail_once)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=9)
+    samples = engine.generate(PROMPTS[:2], params)
+    assert failed and all(s.status == SampleStatus.TRUNCATED for s in samples)
+    assert all(len(s.response_ids) == 8 for s in samples)
+    for s in samples:
+        ref = full_forward_logprobs(model, s.prompt_ids, s.response_ids, 1.0, -1, 1.0, 0.0)
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs), ref, atol=1e-5, rtol=0)
+    assert engine.stats.dropped_rows == 1
+    assert_pool_clean(engine)
+
+
 def test_abort_and_errors_do_not_disturb_other_requests() -> None:
     model = tiny_model(False, seed=3, max_position_embeddings=32)
     engine = Engine(model, None, config())
