@@ -510,9 +510,14 @@ class Engine:
                 s.requests += 1
                 s.prompt_tokens += len(c.req.prompt_ids)
                 s.cached_prompt_tokens += min(c.start, len(c.req.prompt_ids))
-        extend = [c.start < c.req.seq_len - 1 or not c.req.output_ids for c in chunks]
-        s.prefill_tokens += sum(c.length for c, e in zip(chunks, extend) if e)
-        s.decode_tokens += sum(c.length for c, e in zip(chunks, extend) if not e)
+        extend = []
+        for c in chunks:
+            computes_prompt = c.start < c.req.seq_len - 1 or not c.req.output_ids
+            extend.append(computes_prompt)
+            if computes_prompt:
+                s.prefill_tokens += c.length
+            else:
+                s.decode_tokens += c.length
         batch = self._build_batch(chunks)
         s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
         logits, routing = self.runner.forward(batch)
@@ -520,9 +525,11 @@ class Engine:
             self.pool.routing[batch.out_slots] = (
                 routing[:, : batch.num_tokens].permute(1, 0, 2).to(torch.int16)
             )
+        sampled = []
         for c in chunks:
             c.req.inflight_tokens = c.length
-        sampled = [c for c in chunks if c.samples]
+            if c.samples:
+                sampled.append(c)
         fork_reqs = [req for req, _ in forks]
         if not sampled:
             return _Launched(chunks, extend, sampled, fork_reqs, None, None, None)
@@ -546,22 +553,24 @@ class Engine:
 
     def _commit(self, step: _Launched) -> None:
         """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""
-        for c in step.chunks:
-            c.req.kv_len += c.req.inflight_tokens  # 0 for a request `_finish` already settled
-            c.req.inflight_tokens = 0
-        for c, e in zip(step.chunks, step.extend):
-            if e and not c.req.finished:
-                self.kv.cache_unfinished(c.req)
+        for c, computes_prompt in zip(step.chunks, step.extend):
+            req = c.req
+            req.kv_len += req.inflight_tokens  # 0 for a request `_finish` already settled
+            req.inflight_tokens = 0
+            if computes_prompt and not req.finished:
+                self.kv.cache_unfinished(req)
         for req in step.forks:  # after the leaders' prompts went into the cache
             if not self.kv.attach_fork(req):  # e.g. its leader finished at once: compute the prompt itself
                 self.scheduler.requeue(req)
         row = 0
+        nan = float("nan")
         for c in step.sampled:
-            if not c.req.finished and c.req.row >= 0:
-                c.req.output_ids.append(-1)
-                c.req.logprobs.append(float("nan"))
-                c.req.pending_index = row
-            row += c.sample_rows
+            req = c.req
+            if not req.finished and req.row >= 0:
+                req.output_ids.append(-1)
+                req.logprobs.append(nan)
+                req.pending_index = row
+            row += 1 + len(c.draft)  # its sample rows
 
     def _resolve(self) -> list[Sample]:
         """Wait for the step in flight, put its tokens in place of the placeholders, finish requests."""
@@ -578,7 +587,7 @@ class Engine:
         row = 0
         for c in step.sampled:
             req, first = c.req, row
-            row += c.sample_rows
+            row += 1 + len(c.draft)  # its sample rows
             if req.finished or req.pending_index != first:
                 self.stats.dropped_rows += 1  # finished before this row's token was read
                 continue
@@ -640,7 +649,8 @@ class Engine:
         dev = self.device
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         if all(c.length == 1 and c.samples for c in chunks):  # decode-shaped: one token each, all sample
-            ids = [c.req.tokens(c.start, c.start + 1)[0] for c in chunks]
+            # Each feeds its sequence's last token.
+            ids = [c.req.output_ids[-1] if c.req.output_ids else c.req.prompt_ids[-1] for c in chunks]
             lens = np.ones(len(chunks), dtype=np.int64)
             positions = starts
             sample_index = torch.arange(len(chunks), device=dev)
@@ -654,26 +664,27 @@ class Engine:
             lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
             positions = concat_ranges(starts, lens)
             sample_index = host_to_device(torch.tensor(rows_with_logits, dtype=torch.long), dev)
-        out_slots = self.kv.alloc_extend([(c.req, c.length) for c in chunks])
+        rows = np.fromiter((c.req.row for c in chunks), dtype=np.int64, count=len(chunks))
+        out_slots = self.kv.alloc_extend(rows, starts, lens)
         input_ids = host_to_device(torch.tensor(ids, dtype=torch.long), dev)
         if self._in_flight is not None and self._in_flight.tokens is not None:
             # Tokens still on the device (placeholders -1): gather them from the step in flight.
-            where, rows, offset = [], [], 0
+            where, pending, offset = [], [], 0
             for c in chunks:
                 req = c.req
                 if req.pending_index >= 0 and c.start <= req.seq_len - 1 < c.start + c.length:
                     where.append(offset + req.seq_len - 1 - c.start)
-                    rows.append(req.pending_index)
+                    pending.append(req.pending_index)
                 offset += c.length
             if where:
                 index = host_to_device(torch.tensor(where, dtype=torch.long), dev)
-                source = host_to_device(torch.tensor(rows, dtype=torch.long), dev)
+                source = host_to_device(torch.tensor(pending, dtype=torch.long), dev)
                 input_ids[index] = self._in_flight.tokens[source]
         return ForwardBatch(
             input_ids=input_ids,
             positions=host_to_device(positions, dev),
             out_slots=out_slots,
-            rows=[c.req.row for c in chunks],
+            rows=rows.tolist(),
             q_lens=lens.tolist(),
             kv_lens=(starts + lens).tolist(),
             sample_index=sample_index,

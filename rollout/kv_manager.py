@@ -76,13 +76,11 @@ class KVManager:
         req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
         return True
 
-    def alloc_extend(self, chunks: list[tuple[Request, int]]) -> torch.Tensor:
-        """Slots for the next `n` positions of each request (written into the table); returns them packed."""
+    def alloc_extend(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """Slots for positions starts[i] .. starts[i] + lens[i] - 1 of the requests holding table rows
+        `rows` (written into the table); returns them packed."""
         p = self.page_size
-        count = len(chunks)
-        lens = np.fromiter((n for _, n in chunks), dtype=np.int64, count=count)
-        starts = np.fromiter((r.kv_len for r, _ in chunks), dtype=np.int64, count=count)
-        rows = np.fromiter((r.row for r, _ in chunks), dtype=np.int64, count=count)
+        count = len(rows)
         device = self.table.table.device
         total = int(lens.sum())
         if total == count:  # one token each (decode): no per-token expansion

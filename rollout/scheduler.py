@@ -122,17 +122,25 @@ class Scheduler:
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
         decoding = self._decoding()
-        if sum(1 + len(r.draft) for r in decoding) > self.cfg.max_batch_tokens:
+        if len(decoding) + sum(len(r.draft) for r in decoding if r.draft) > self.cfg.max_batch_tokens:
             for r in self.running:  # before making room: drafts that cannot run must not evict cache
                 r.draft = []
         room = self._make_room_for_decodes(plan, in_flight, decoding)
         if room is None:
             return plan  # nothing runs until the step in flight is read and its finished requests leave
         decoding, self._planned = room
-        plan.chunks.extend(Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft)) for r in decoding)
+        plan.chunks.extend(
+            Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft))
+            if r.draft
+            else Chunk(r, r.kv_len, 1, True)
+            for r in decoding
+        )
         budget = self.cfg.max_batch_tokens - sum(c.length for c in plan.chunks)
         in_batch: list[Request] = []
-        for req in [r for r in self.running if not r.is_decoding]:  # chunked prefills in progress
+        prefilling = (
+            [] if len(decoding) == len(self.running) else [r for r in self.running if not r.is_decoding]
+        )
+        for req in prefilling:  # chunked prefills in progress
             length = self._fit_chunk(req, budget)
             if length == 0:
                 break
@@ -174,7 +182,10 @@ class Scheduler:
         """
         pages_needed, page_size = self.kv.pages_needed, self.kv.page_size
         while True:
-            needed = sum(pages_needed(r, 1 + len(r.draft)) for r in decoding) * page_size
+            if page_size == 1:  # a slot per token
+                needed = len(decoding) + sum(len(r.draft) for r in decoding if r.draft)
+            else:
+                needed = sum(pages_needed(r, 1 + len(r.draft)) for r in decoding) * page_size
             if self.kv.ensure_free(needed):
                 return decoding, needed
             if any(r.draft for r in self.running):  # drafts are optional: drop them before retracting

@@ -140,7 +140,7 @@ class Experts(nn.Module):
             counts = torch.bincount(flat_expert, minlength=self.num_experts)
         if self.batch_invariant_block:
             out = self._blocked(sorted_x, counts, self.batch_invariant_block)
-        elif x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
+        elif self._groupable(x):
             out = self._grouped(sorted_x, counts)
         else:
             out = self._looped(sorted_x, counts)
@@ -177,6 +177,21 @@ class Experts(nn.Module):
             and not self.batch_invariant_block
             and not torch.is_grad_enabled()  # any parameter may want a gradient
             and num_pairs <= FUSED_MAX_PAIRS_PER_EXPERT * self.num_experts
+        )
+
+    def _groupable(self, x: torch.Tensor) -> bool:
+        """Whether `_grouped` runs here: bf16 on CUDA; on CPU without autograd (the engine's forwards: one
+        call per projection instead of ~10 ops per expert), where its rows must be 16-byte aligned."""
+        if not hasattr(torch, "_grouped_mm"):
+            return False
+        if x.is_cuda:
+            return x.dtype == torch.bfloat16
+        elem = x.element_size()
+        return (
+            x.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and (x.shape[-1] * elem) % 16 == 0
+            and (self.intermediate_size * elem) % 16 == 0
         )
 
     def _blocked(self, sorted_x: torch.Tensor, counts: torch.Tensor, block: int) -> torch.Tensor:
