@@ -65,6 +65,9 @@ def test_bench_rollout_repeat_reports_medians_and_one_run_of_counters(
     assert len(r["hf_wall_s_runs"]) == 3 and r["hf_wall_s"] == sorted(r["hf_wall_s_runs"])[1]
     assert r["prefill_tokens"] + r["cached_prompt_tokens"] == 3 * 2 * 8  # the last run's, not three runs'
     assert r["output_tokens_per_s"] == pytest.approx(3 * 2 * 4 / r["wall_s"])
+    # On CPU each engine run is paired with the baseline run right after it.
+    pairs = sorted(hf / ours for hf, ours in zip(r["hf_wall_s_runs"], r["wall_s_runs"]))
+    assert r["speedup_vs_hf_paired"] == pytest.approx(pairs[1])
     with pytest.raises(SystemExit, match="--repeat"):
         bench.main(["--model", "tiny", "--device", "cpu", "--repeat", "2", "--profile", "/tmp/unused"])
 
