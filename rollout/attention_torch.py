@@ -390,7 +390,10 @@ class TorchPagedAttention:
         # Softmax over prefix and own suffix together: the partial results weighted by their shares of the
         # total mass, exp(p_lse) / (exp(p_lse) + exp(own_lse)) for the prefix.
         weight = torch.sigmoid(p_lse - own_lse).unsqueeze(-1)
-        own.copy_(torch.lerp(own.float(), p_out.float(), weight))
+        if own.dtype == torch.float32:
+            own.lerp_(p_out, weight)
+        else:
+            own.copy_(torch.lerp(own.float(), p_out.float(), weight))
         return out
 
 

@@ -30,7 +30,14 @@ from miles.rollout.outputs import finish_status, to_sample
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
-from miles.rollout.sampling import SamplingTensors, derive_seed, draws_from_block_masses, sample, uniforms
+from miles.rollout.sampling import (
+    SamplingTensors,
+    derive_seed,
+    draws_from_block_masses,
+    mix_seeds,
+    sample,
+    uniforms_of_mixed,
+)
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
 from miles.rollout.weights import WeightsInput, load_weights
 from miles.sample import Sample, SampleStatus
@@ -179,6 +186,8 @@ class Engine:
         self._in_flight: _Launched | None = None
         self._drained: list[Sample] = []
         self._row_params: tuple[list[tuple[float, int, float, float]], SamplingTensors] | None = None
+        self._row_seeds: tuple[list[Request], np.ndarray] | None = None
+        """The last step's sampling requests and their mixed seeds (`sampling.mix_seeds`)."""
         """The last step's rows' (temperature, top_k, top_p, min_p) and their tensors, reused while the values
         stay (compared by value: a caller may change a SamplingParams in place between calls)."""
         self.stats = EngineStats()
@@ -704,7 +713,12 @@ class Engine:
         """Row i samples response position len(output) + j of its (request, j): j > 0 are draft rows, whose
         uniform numbers are the ones plain decoding would use there, so speculation changes no sample."""
         settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.params for r, _ in rows)]
-        uniform = uniforms([r.seed for r, _ in rows], [len(r.output_ids) + j for r, j in rows])
+        reqs = [r for r, _ in rows]
+        if self._row_seeds is None or self._row_seeds[0] != reqs:  # the same requests as last step: kept
+            self._row_seeds = (reqs, mix_seeds([r.seed for r in reqs]))
+        count = len(rows)
+        positions = np.fromiter((len(r.output_ids) + j for r, j in rows), dtype=np.uint64, count=count)
+        uniform = uniforms_of_mixed(self._row_seeds[1], positions)
         if self._row_params is not None and self._row_params[0] == settings:  # e.g. decode steps
             st = replace(self._row_params[1], uniform=host_to_device(uniform, self.device))
         else:

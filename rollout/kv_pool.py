@@ -79,10 +79,15 @@ class KVPool:
             )
         self._free = [torch.arange(1, self.num_pages, dtype=torch.int32, device=self.device)]
         self.num_free_pages = self.num_pages - 1
+        # Per-layer views by slot, made once: every write and gather of a step would otherwise re-derive them.
+        slots = (self.num_slots, lay.num_kv_heads, lay.head_dim)
+        self._k_slots = [self.k_cache[i].view(slots) for i in range(lay.num_layers)]
+        self._v_slots = [self.v_cache[i].view(slots) for i in range(lay.num_layers)]
 
     def release(self) -> None:
         """Drop the storage (colocated training); `allocate()` brings it back empty."""
         self.k_cache = self.v_cache = self.routing = None
+        self._k_slots, self._v_slots = [], []
         self._free = []
         self.num_free_pages = 0
 
@@ -111,25 +116,23 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [N, num_kv_heads, head_dim] (any strides) into `slots` [N]."""
-        lay = self.layout
-        shape = (self.num_slots, lay.num_kv_heads, lay.head_dim)
-        self.k_cache[layer].view(shape).index_copy_(0, slots, k.to(lay.dtype))  # type: ignore[index]
-        self.v_cache[layer].view(shape).index_copy_(0, slots, v.to(lay.dtype))  # type: ignore[index]
+        dtype = self.layout.dtype
+        self._k_slots[layer].index_copy_(0, slots, k if k.dtype == dtype else k.to(dtype))
+        self._v_slots[layer].index_copy_(0, slots, v if v.dtype == dtype else v.to(dtype))
 
     def gather(
         self, layer: int, slots: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v at `slots` (any shape S) -> [*S, num_kv_heads, head_dim], into `out` buffers when given."""
         lay = self.layout
-        rows = (self.num_slots, lay.num_kv_heads * lay.head_dim)
         shape = (*slots.shape, lay.num_kv_heads, lay.head_dim)
         flat_slots = slots.reshape(-1)
-        # index_select over 2-D rows (several times faster on CPU than advanced indexing); reusing the output
+        # index_select of whole slots (several times faster on CPU than advanced indexing); reusing the output
         # buffers across layers also saves the page faults of fresh multi-MB allocations.
-        k_out = out[0].view(len(flat_slots), -1) if out is not None else None
-        v_out = out[1].view(len(flat_slots), -1) if out is not None else None
-        k = torch.index_select(self.k_cache[layer].view(rows), 0, flat_slots, out=k_out)  # type: ignore[index]
-        v = torch.index_select(self.v_cache[layer].view(rows), 0, flat_slots, out=v_out)  # type: ignore[index]
+        k_out = out[0].view(len(flat_slots), lay.num_kv_heads, lay.head_dim) if out is not None else None
+        v_out = out[1].view(len(flat_slots), lay.num_kv_heads, lay.head_dim) if out is not None else None
+        k = torch.index_select(self._k_slots[layer], 0, flat_slots, out=k_out)
+        v = torch.index_select(self._v_slots[layer], 0, flat_slots, out=v_out)
         return k.view(shape), v.view(shape)
 
     # page allocator ----------------------------------------------------------------------------

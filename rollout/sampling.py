@@ -52,9 +52,17 @@ def derive_seed(*parts: int) -> int:
 
 def uniforms(seeds: list[int] | np.ndarray, positions: list[int] | np.ndarray) -> np.ndarray:
     """u in [0, 1) (53 random bits) for each (seed, response position) pair; vectorised, batch independent."""
-    s = np.asarray(seeds, dtype=np.uint64)
-    p = np.asarray(positions, dtype=np.uint64)
-    h = _splitmix64(_splitmix64(s) ^ p)
+    return uniforms_of_mixed(mix_seeds(seeds), positions)
+
+
+def mix_seeds(seeds: list[int] | np.ndarray) -> np.ndarray:
+    """The seeds' half of `uniforms`, which a caller drawing for the same requests step after step can keep."""
+    return _splitmix64(np.asarray(seeds, dtype=np.uint64))
+
+
+def uniforms_of_mixed(mixed: np.ndarray, positions: list[int] | np.ndarray) -> np.ndarray:
+    """`uniforms` from seeds already through `mix_seeds`."""
+    h = _splitmix64(mixed ^ np.asarray(positions, dtype=np.uint64))
     return (h >> np.uint64(11)).astype(np.float64) * (2.0**-53)
 
 

@@ -32,14 +32,16 @@ class RoutingTrace:
     recorded: list[torch.Tensor] = field(default_factory=list)
     valid_rows: torch.Tensor | None = None
 
-    def choose(self, moe_index: int, probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    def choose(self, moe_index: int, probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, top_k], their router probabilities)."""
         if self.replay is not None:
             chosen = self.replay[moe_index].to(device=probs.device, dtype=torch.long)
+            weights = probs.gather(-1, chosen)
         else:
-            chosen = torch.topk(probs, top_k, dim=-1).indices
+            weights, chosen = torch.topk(probs, top_k, dim=-1)
         if self.record:
-            self.recorded.append(chosen.detach())
-        return chosen
+            self.recorded.append(chosen)  # integer ids: never part of an autograd graph
+        return chosen, weights
 
     def stacked(self) -> torch.Tensor:
         """[num_moe_layers, N, top_k]."""
@@ -95,11 +97,10 @@ class SparseMoeBlock(nn.Module):
         if routing is None:
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         else:
-            chosen = routing.choose(self.moe_index, probs, self.top_k)
-            weights = probs.gather(-1, chosen)
+            chosen, weights = routing.choose(self.moe_index, probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), chosen, False
+        return (weights if weights.dtype == x.dtype else weights.to(x.dtype)), chosen, False
 
 
 # Above this many (token, slot) pairs per expert the GEMMs turn compute-bound (prefill), where the grouped
