@@ -97,6 +97,10 @@ class _Launched:
     sampled: list[Chunk]
     """The chunks that sample, then one empty chunk per fork (`StepPlan.forks`), in sample-row order."""
     forks: list[Request]
+    num_tokens: int
+    """Tokens the forward computed."""
+    kv_tokens: int
+    """Tokens attended (each chunk's end position), for the decode roofline."""
     tokens: torch.Tensor | None
     """[S] the sampled token ids on the device (the next step's decode inputs are gathered from it)."""
     host: torch.Tensor | None
@@ -361,8 +365,8 @@ class Engine:
             if plan.is_decode:
                 self.stats.decode_steps += 1
                 self.stats.decode_s += elapsed
-                self.stats.decode_step_tokens += sum(c.length for c in plan.chunks)
-                self.stats.decode_kv_tokens += sum(c.start + c.length for c in plan.chunks)
+                self.stats.decode_step_tokens += launched.num_tokens
+                self.stats.decode_kv_tokens += launched.kv_tokens
             else:
                 self.stats.prefill_s += elapsed
         return finished
@@ -517,21 +521,22 @@ class Engine:
         logits rows); nothing here waits for the device."""
         s = self.stats
         fork_chunks = [Chunk(req, len(req.prompt_ids), 0, True) for req, _ in forks]
-        for c in chunks + fork_chunks:
-            if not c.req.admitted:
-                c.req.admitted = True
-                c.req.cached_tokens = c.start
-                s.requests += 1
-                s.prompt_tokens += len(c.req.prompt_ids)
-                s.cached_prompt_tokens += min(c.start, len(c.req.prompt_ids))
         extend = []
+        kv_tokens = 0
         for c in chunks:
-            computes_prompt = c.start < c.req.seq_len - 1 or not c.req.output_ids
+            req = c.req
+            if not req.admitted:
+                self._count_admission(c)
+            computes_prompt = c.start < req.seq_len - 1 or not req.output_ids
             extend.append(computes_prompt)
             if computes_prompt:
                 s.prefill_tokens += c.length
             else:
                 s.decode_tokens += c.length
+            kv_tokens += c.start + c.length
+        for c in fork_chunks:
+            if not c.req.admitted:
+                self._count_admission(c)
         batch = self._build_batch(chunks)
         s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
         logits, routing = self.runner.forward(batch)
@@ -545,8 +550,9 @@ class Engine:
             if c.samples:
                 sampled.append(c)
         fork_reqs = [req for req, _ in forks]
+        counts = (batch.num_tokens, kv_tokens)
         if not sampled:
-            return _Launched(chunks, extend, sampled, fork_reqs, None, None, None)
+            return _Launched(chunks, extend, sampled, fork_reqs, *counts, None, None, None)
         if forks:
             first_row, row = {}, 0
             for c in sampled:
@@ -558,12 +564,21 @@ class Engine:
         tokens, logprobs = self._sample(logits, [(c.req, j) for c in sampled for j in range(c.sample_rows)])
         values = torch.stack([tokens.double(), logprobs.double()])
         if self.device.type != "cuda":
-            return _Launched(chunks, extend, sampled, fork_reqs, tokens, values, None)
+            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, values, None)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _Launched(chunks, extend, sampled, fork_reqs, tokens, host, done)
+        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done)
+
+    def _count_admission(self, c: Chunk) -> None:
+        """A request's first chunk (or fork): the prompt and cache-hit counters."""
+        req, s = c.req, self.stats
+        req.admitted = True
+        req.cached_tokens = c.start
+        s.requests += 1
+        s.prompt_tokens += len(req.prompt_ids)
+        s.cached_prompt_tokens += min(c.start, len(req.prompt_ids))
 
     def _commit(self, step: _Launched) -> None:
         """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""

@@ -14,6 +14,7 @@ running requests (fewest generated tokens first); they re-enter the queue and la
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,8 +55,9 @@ class StepPlan:
     step. They compute nothing: their first token is sampled from the leader's last logits row, and their
     prompt's KV is the leader's, shared through the radix cache (`KVManager.attach_fork`)."""
 
-    @property
+    @functools.cached_property
     def is_decode(self) -> bool:
+        """Read once the plan is complete (`Scheduler.schedule` does, at its end)."""
         return bool(self.chunks) and all(c.samples and c.length == 1 + len(c.draft) for c in self.chunks)
 
     @property
@@ -129,13 +131,14 @@ class Scheduler:
         if room is None:
             return plan  # nothing runs until the step in flight is read and its finished requests leave
         decoding, self._planned = room
-        plan.chunks.extend(
-            Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft))
-            if r.draft
-            else Chunk(r, r.kv_len, 1, True)
-            for r in decoding
-        )
-        budget = self.cfg.max_batch_tokens - sum(c.length for c in plan.chunks)
+        budget = self.cfg.max_batch_tokens
+        for r in decoding:
+            if r.draft:
+                plan.chunks.append(Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft)))
+                budget -= 1 + len(r.draft)
+            else:
+                plan.chunks.append(Chunk(r, r.kv_len, 1, True))
+                budget -= 1
         in_batch: list[Request] = []
         prefilling = (
             [] if len(decoding) == len(self.running) else [r for r in self.running if not r.is_decoding]
