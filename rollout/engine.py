@@ -613,22 +613,24 @@ class Engine:
         tokens, logprobs = step.host.tolist()
         finished: list[Sample] = []
         cuts: list[tuple[Request, int]] = []
-        row = 0
+        row = plain = 0
+        eos_ids, max_context, tokenizer = self.eos_ids, self.max_context, self.tokenizer
         for c in step.sampled:
             req, first = c.req, row
             row += 1 + len(c.draft)  # its sample rows
-            if req.finished or req.pending_index != first:
+            if req.status != SampleStatus.PENDING or req.pending_index != first:
                 self.stats.dropped_rows += 1  # finished before this row's token was read
                 continue
             req.pending_index = -1
             if c.draft:
                 status = self._accept(req, c.draft, tokens[first:row], logprobs[first:row], cuts)
             else:
-                req.output_ids[-1], req.logprobs[-1] = int(tokens[first]), float(logprobs[first])
-                self.stats.output_tokens += 1
-                status = finish_status(req, self.eos_ids, self.max_context, self.tokenizer)
+                req.output_ids[-1], req.logprobs[-1] = int(tokens[first]), logprobs[first]
+                plain += 1
+                status = finish_status(req, eos_ids, max_context, tokenizer)
             if status is not None:
                 finished.append(self._finish(req, status))
+        self.stats.output_tokens += plain
         self.kv.truncate(cuts)
         return finished
 

@@ -145,7 +145,7 @@ class Experts(nn.Module):
             out = self._grouped(sorted_x, counts)
         else:
             out = self._looped(sorted_x, counts)
-        out = out * weights.reshape(-1)[order, None]
+        out = out * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         if x.is_cuda:
             # index_add_ on CUDA adds with atomics (run-to-run varying order): sum each token's k outputs in
             # slot order instead, gathering rows back through the inverse permutation (a gather is cheaper
@@ -228,7 +228,7 @@ class Experts(nn.Module):
 
     def _grouped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # One grouped GEMM per projection over all experts; no host sync (offsets stay on device).
-        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate_up = torch._grouped_mm(sorted_x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = fused.call(fused.silu_mul, gate, up)
