@@ -369,6 +369,8 @@ class Engine:
                 self.stats.decode_kv_tokens += launched.kv_tokens
             else:
                 self.stats.prefill_s += elapsed
+        if not self.scheduler.has_work and self._in_flight is None:
+            self._row_seeds = None  # do not keep finished requests alive
         return finished
 
     def _propose_drafts(self) -> None:
@@ -534,9 +536,6 @@ class Engine:
             else:
                 s.decode_tokens += c.length
             kv_tokens += c.start + c.length
-        for c in fork_chunks:
-            if not c.req.admitted:
-                self._count_admission(c)
         batch = self._build_batch(chunks)
         s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
         logits, routing = self.runner.forward(batch)
@@ -591,6 +590,8 @@ class Engine:
         for req in step.forks:  # after the leaders' prompts went into the cache
             if not self.kv.attach_fork(req):  # e.g. its leader finished at once: compute the prompt itself
                 self.scheduler.requeue(req)
+            elif not req.admitted:
+                self._count_admission(Chunk(req, len(req.prompt_ids), 0, True))
         row = 0
         nan = float("nan")
         for c in step.sampled:

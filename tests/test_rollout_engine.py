@@ -233,7 +233,24 @@ def test_a_fork_whose_prompt_is_not_cached_computes_it_itself(monkeypatch: pytes
         ref = full_forward_logprobs(model, s.prompt_ids, s.response_ids, 1.0, -1, 1.0, 0.0)
         torch.testing.assert_close(torch.tensor(s.rollout_logprobs), ref, atol=1e-5, rtol=0)
     assert engine.stats.dropped_rows == 1
+    # The requeued fork counts as admitted once, when it really computes: every prompt token is either
+    # cached or computed.
+    s = engine.stats
+    assert s.prompt_tokens == 3 * sum(len(p) for p in PROMPTS[:2])
+    assert s.cached_prompt_tokens + s.prefill_tokens == s.prompt_tokens
     assert_pool_clean(engine)
+
+
+def test_moe_engine_in_float64() -> None:
+    """Dtypes the CPU grouped GEMM does not take (float64) run the experts' loop instead."""
+    model = tiny_model(True, seed=8).double()
+    engine = Engine(model, None, config())
+    samples = engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=1))
+    for s in samples:
+        ref = full_forward_logprobs(model, s.prompt_ids, s.response_ids, 1.0, -1, 1.0, 0.0)
+        torch.testing.assert_close(
+            torch.tensor(s.rollout_logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0
+        )
 
 
 def test_abort_and_errors_do_not_disturb_other_requests() -> None:
