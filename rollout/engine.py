@@ -190,10 +190,10 @@ class Engine:
         self._in_flight: _Launched | None = None
         self._drained: list[Sample] = []
         self._row_params: tuple[list[tuple[float, int, float, float]], SamplingTensors] | None = None
-        self._row_seeds: tuple[list[Request], np.ndarray] | None = None
-        """The last step's sampling requests and their mixed seeds (`sampling.mix_seeds`)."""
         """The last step's rows' (temperature, top_k, top_p, min_p) and their tensors, reused while the values
         stay (compared by value: a caller may change a SamplingParams in place between calls)."""
+        self._row_seeds: tuple[list[Request], np.ndarray] | None = None
+        """The last step's sampling requests and their mixed seeds (`sampling.mix_seeds`)."""
         self.stats = EngineStats()
 
     def _use_fused_kernels(self, cfg: RolloutConfig) -> bool:
@@ -528,7 +528,7 @@ class Engine:
         for c in chunks:
             req = c.req
             if not req.admitted:
-                self._count_admission(c)
+                self._count_admission(req, c.start)
             computes_prompt = c.start < req.seq_len - 1 or not req.output_ids
             extend.append(computes_prompt)
             if computes_prompt:
@@ -570,14 +570,15 @@ class Engine:
         done.record()
         return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done)
 
-    def _count_admission(self, c: Chunk) -> None:
-        """A request's first chunk (or fork): the prompt and cache-hit counters."""
-        req, s = c.req, self.stats
+    def _count_admission(self, req: Request, cached: int) -> None:
+        """A request's first chunk (or attached fork), starting at position `cached`: the prompt and
+        cache-hit counters."""
+        s = self.stats
         req.admitted = True
-        req.cached_tokens = c.start
+        req.cached_tokens = cached
         s.requests += 1
         s.prompt_tokens += len(req.prompt_ids)
-        s.cached_prompt_tokens += min(c.start, len(req.prompt_ids))
+        s.cached_prompt_tokens += min(cached, len(req.prompt_ids))
 
     def _commit(self, step: _Launched) -> None:
         """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""
@@ -588,10 +589,12 @@ class Engine:
             if computes_prompt and not req.finished:
                 self.kv.cache_unfinished(req)
         for req in step.forks:  # after the leaders' prompts went into the cache
-            if not self.kv.attach_fork(req):  # e.g. its leader finished at once: compute the prompt itself
+            # Not expected to fail (the leader's whole-page prompt was just inserted and is pinned); if it
+            # does, the fork computes its prompt itself later.
+            if not self.kv.attach_fork(req):
                 self.scheduler.requeue(req)
             elif not req.admitted:
-                self._count_admission(Chunk(req, len(req.prompt_ids), 0, True))
+                self._count_admission(req, len(req.prompt_ids))
         row = 0
         nan = float("nan")
         for c in step.sampled:

@@ -181,8 +181,8 @@ class Experts(nn.Module):
         )
 
     def _groupable(self, x: torch.Tensor) -> bool:
-        """Whether `_grouped` runs here: bf16 on CUDA; on CPU without autograd (the engine's forwards: one
-        call per projection instead of ~10 ops per expert), where its rows must be 16-byte aligned."""
+        """Whether `_grouped` runs here: bf16 on CUDA; on CPU float32/bf16/fp16 without autograd (the engine's
+        forwards: one call per projection instead of ~10 ops per expert), with 16-byte-aligned rows."""
         if not hasattr(torch, "_grouped_mm"):
             return False
         if x.is_cuda:
@@ -190,7 +190,7 @@ class Experts(nn.Module):
         elem = x.element_size()
         return (
             x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # what the CPU kernel takes
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not torch.is_grad_enabled()
             and (x.shape[-1] * elem) % 16 == 0
             and (self.intermediate_size * elem) % 16 == 0
