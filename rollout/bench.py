@@ -551,9 +551,8 @@ def main(argv: list[str]) -> int:
                 profiler.finish(completed)
         if a.hf_baseline and not on_gpu:
             if baseline is None:
-                cpu_peak_bytes = (
-                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-                )  # the engine's alone
+                # The engine's peak alone, before the baseline allocates anything.
+                cpu_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 baseline = HFBaseline(model, prompts, a, device)
             baseline.run()
     wall = statistics.median(walls)

@@ -16,8 +16,7 @@ def finish_status(req: Request, eos_ids: set[int], max_context: int, tokenizer: 
         return SampleStatus.COMPLETED
     if p.stop and hit_stop_string(req, tokenizer):
         return SampleStatus.COMPLETED
-    generated = len(req.output_ids)
-    if generated >= p.max_new_tokens or len(req.prompt_ids) + generated >= max_context:
+    if req.remaining_tokens <= 0 or req.seq_len >= max_context:
         return SampleStatus.TRUNCATED
     return None
 

@@ -72,7 +72,7 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """All tokens but the newest have KV: the next step feeds one token."""
-        return self.row >= 0 and self.kv_len == len(self.prompt_ids) + len(self.output_ids) - 1
+        return self.row >= 0 and self.kv_len == self.seq_len - 1
 
     @property
     def can_grow(self) -> bool:

@@ -267,7 +267,9 @@ class Scheduler:
         trie = _PrefixTrie()
         for other in in_batch:
             trie.insert(other.prompt_ids)
-        leaders = self._fork_leaders(plan)
+        leaders: dict[tuple[int, int, int], list[Request]] = {}
+        for chunk in plan.chunks:
+            self._note_leader(chunk, leaders)
         for req in candidates:
             if len(self.running) >= self.cfg.max_running_requests or self.kv.table.num_free == 0:
                 break
@@ -324,8 +326,7 @@ class Scheduler:
             chunk = Chunk.of(req, length)
             plan.chunks.append(chunk)
             budget -= length
-            if self._can_lead(chunk):
-                leaders.setdefault(_prompt_key(req.prompt_ids), []).append(req)
+            self._note_leader(chunk, leaders)
 
     def _can_lead(self, chunk: Chunk) -> bool:
         """Whether other samples of this chunk's prompt can fork from it: the chunk completes a fresh prompt,
@@ -339,12 +340,9 @@ class Scheduler:
             and len(req.prompt_ids) % self.kv.page_size == 0
         )
 
-    def _fork_leaders(self, plan: StepPlan) -> dict[tuple[int, int, int], list[Request]]:
-        leaders: dict[tuple[int, int, int], list[Request]] = {}
-        for chunk in plan.chunks:
-            if self._can_lead(chunk):
-                leaders.setdefault(_prompt_key(chunk.req.prompt_ids), []).append(chunk.req)
-        return leaders
+    def _note_leader(self, chunk: Chunk, leaders: dict[tuple[int, int, int], list[Request]]) -> None:
+        if self._can_lead(chunk):
+            leaders.setdefault(_prompt_key(chunk.req.prompt_ids), []).append(chunk.req)
 
 
 def _prompt_key(ids: list[int]) -> tuple[int, int, int]:
