@@ -67,6 +67,50 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: f
     return out[0].transpose(0, 1)
 
 
+@dataclass
+class _FreshRun:
+    """Prefill chunks of whole sequences (nothing cached before them) of one length, adjacent in the step's
+    tokens: they attend to their own new keys and values, in one call."""
+
+    chunks: list[int]
+    """Their batch indices."""
+    start: int
+    """First token row of the run."""
+    count: int
+    length: int
+
+
+def _fresh_runs(batch: ForwardBatch, long: list[int], starts: list[int]) -> list[_FreshRun]:
+    """The runs of equal-length whole-sequence chunks among the step's long chunks `long` (CPU: one SDPA call
+    per run instead of a gather and a call per sequence; the kernel computes each sequence alike)."""
+    runs: list[_FreshRun] = []
+    for i in long:
+        n = batch.q_lens[i]
+        if batch.kv_lens[i] != n:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last.length == n and last.start + last.count * n == starts[i]:
+            last.chunks.append(i)
+            last.count += 1
+        else:
+            runs.append(_FreshRun([i], starts[i], 1, n))
+    return runs
+
+
+def _fresh_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _FreshRun, scale: float
+) -> torch.Tensor:
+    """Causal attention of a run's sequences over their own keys: q [count * T, Hq, D], k/v [count * T,
+    Hkv, D] -> [count * T, Hq, D]. The KV heads are repeated, as in `_prefill`, for the CPU's fused kernel."""
+    (n, hq, d), hkv = q.shape, k.shape[1]
+    shape = (run.count, run.length)
+    qs = q.view(*shape, hq, d).transpose(1, 2)
+    keys = k.view(*shape, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    values = v.view(*shape, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    out = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=scale)
+    return out.transpose(1, 2).reshape(n, hq, d)
+
+
 def _table_slots(table: RequestTable, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
     """int64 KV slots `table[rows[i], cols[i, j]]`, indexed on the host and gathered in one call."""
     flat = torch.from_numpy(rows[:, None] * table.max_context + cols).to(table.table.device)
@@ -158,7 +202,7 @@ class TorchPagedAttention:
         if decode_only and staging is not None and staging.order is not None:
             kv_lens = np.asarray(batch.kv_lens)
             if staging.order.continues(batch, kv_lens):
-                self.short, self.prefills = None, []
+                self.short, self.prefills, self.fresh_runs = None, [], []
                 staging.order.kv_lens = kv_lens
                 self._plan_step(table, staging.order)
                 return
@@ -166,10 +210,13 @@ class TorchPagedAttention:
         short = [i for i, n in enumerate(batch.q_lens) if 1 < n <= _SHORT_EXTEND]
         self.short = self._plan_short(table, batch, short, starts) if len(short) > 1 else None
         batched = set(short) if self.short is not None else set()
+        long = [i for i, n in enumerate(batch.q_lens) if n > 1 and i not in batched]
+        self.fresh_runs = _fresh_runs(batch, long, starts) if self.pool.device.type == "cpu" else []
+        in_runs = {i for run in self.fresh_runs for i in run.chunks}
         self.prefills = [
             (starts[i], starts[i + 1], table.table[batch.rows[i], : batch.kv_lens[i]].long())
-            for i, n in enumerate(batch.q_lens)
-            if n > 1 and i not in batched
+            for i in long
+            if i not in in_runs
         ]
         decodes = [i for i, n in enumerate(batch.q_lens) if n == 1]
         if decodes:
@@ -206,6 +253,7 @@ class TorchPagedAttention:
             # A decode-only step whose rows are already in this order needs no gather of q nor scatter of the
             # output.
             in_place=not self.prefills
+            and not self.fresh_runs
             and self.short is None
             and bool((tokens == np.arange(len(order))).all()),
             first=np.array([prefix.get(i, 0) for i in order.tolist()]),
@@ -332,12 +380,18 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if self.dec_tokens is not None:
             index = self.dec_tokens
+            dec_k, dec_v = k, v
             if self.staged:  # the staged copies take the decode rows' new keys and values
-                k, v = k.index_select(0, index), v.index_select(0, index)
-            dec = self._decode(layer_idx, q.index_select(0, index), k, v, scale)
+                dec_k, dec_v = k.index_select(0, index), v.index_select(0, index)
+            dec = self._decode(layer_idx, q.index_select(0, index), dec_k, dec_v, scale)
             out.view(len(out), *dec.shape[1:]).index_copy_(0, index, dec)
         if self.short is not None:
             self._short(layer_idx, q, out, scale)
+        for run in self.fresh_runs:
+            end = run.start + run.count * run.length
+            out[run.start : end] = _fresh_prefill(
+                q[run.start : end], k[run.start : end], v[run.start : end], run, scale
+            )
         for start, end, slots in self.prefills:
             keys, values = self.pool.gather(layer_idx, slots)
             out[start:end] = _prefill(q[start:end], keys, values, scale)

@@ -49,6 +49,13 @@ _SAMPLE_BLOCK_GPU = 256
 and samples every row at once unless greedy rows, which take a [rows, vocab] log-softmax, are mixed in)."""
 _STALL_STEPS = 10_000
 
+_Settings = tuple[float, int, float, float]
+
+
+def _settings(p: SamplingParams) -> _Settings:
+    """What of a request's params its sampling row needs."""
+    return (p.temperature, p.top_k, p.top_p, p.min_p)
+
 
 @dataclass
 class EngineStats:
@@ -103,10 +110,13 @@ class _Launched:
     """Tokens attended (each chunk's end position), for the decode roofline."""
     tokens: torch.Tensor | None
     """[S] the sampled token ids on the device (the next step's decode inputs are gathered from it)."""
-    host: torch.Tensor | None
-    """[2, S] float64 tokens and logprobs, copied to (pinned) host memory behind the step."""
+    host: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+    """[2, S] float64 tokens and logprobs, copied to (pinned) host memory behind the step; on CPU the
+    (tokens, logprobs) tensors themselves."""
     done: torch.cuda.Event | None
     """Recorded after that copy (CUDA); None when the copy is synchronous."""
+    plain_decode: bool = False
+    """`StepPlan.plain_decode`: `sampled` is `chunks`, one row each, and nothing forks or extends."""
 
 
 class Engine:
@@ -130,7 +140,7 @@ class Engine:
         self.device, self.dtype = model.device, model.dtype
         model.eval()
         self.backend = resolve_backend(cfg.backend, self.device, self.dtype)
-        layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size)
+        layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size, cfg.record_routing)
         self.pool = KVPool(layout, self._pool_pages(layout), self.device)
         self.max_context = self.args.max_position_embeddings
         table = RequestTable(
@@ -146,6 +156,8 @@ class Engine:
         )
         on_gpu = self.device.type == "cuda"
         self.det_chunk = _DET_CHUNK_GPU if on_gpu else _DET_CHUNK_CPU
+        self._groups = self.backend == "torch" and not on_gpu
+        """Whether batches carry their requests' shared-prefix groups (`ForwardBatch.prefix_groups`)."""
         graph_batch = min(cfg.max_running_requests, 1024) if cfg.cuda_graph and on_gpu else 0
         self.runner = ModelRunner(
             model,
@@ -158,6 +170,7 @@ class Engine:
             cfg.flashinfer_kernel,
             self._use_fused_kernels(cfg),
             cfg.cuda_graph_piecewise_min_batch,
+            cfg.record_routing,
         )
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -189,9 +202,12 @@ class Engine:
         self.overlap = self.overlap and not self.speculative
         self._in_flight: _Launched | None = None
         self._drained: list[Sample] = []
-        self._row_params: tuple[list[tuple[float, int, float, float]], SamplingTensors] | None = None
-        """The last step's rows' (temperature, top_k, top_p, min_p) and their tensors, reused while the values
-        stay (compared by value: a caller may change a SamplingParams in place between calls)."""
+        self._row_params: (
+            tuple[list[SamplingParams], list[tuple[SamplingParams, _Settings]], SamplingTensors] | None
+        ) = None
+        """The last step's rows' params, each distinct one with its (temperature, top_k, top_p, min_p), and
+        their tensors: reused while the rows have the same params with the same values (checked by value: a
+        caller may change a SamplingParams in place between calls)."""
         self._row_seeds: tuple[list[Request], np.ndarray] | None = None
         """The last step's sampling requests and their mixed seeds (`sampling.mix_seeds`)."""
         self.stats = EngineStats()
@@ -240,22 +256,16 @@ class Engine:
         self, prompts: list[Sample] | list[list[int]] | list[str], params: SamplingParams
     ) -> list[Sample]:
         """`len(prompts) * params.n` samples, prompt-major; blocks until all are finished."""
+        self._check_request(params)
         rids = []
         for position, prompt in enumerate(prompts):
             source = prompt if isinstance(prompt, Sample) else None
-            ids = self._prompt_ids(prompt)
+            ids = self._prompt_ids(prompt)  # a new list, shared by the prompt's samples (never modified)
+            error = self._validate_prompt(ids)
             group_id = source.group_id if source is not None else position
+            text = prompt if isinstance(prompt, str) else None
             for index in range(params.n):
-                rids.append(
-                    self.add_request(
-                        ids,
-                        params,
-                        group_id=group_id,
-                        index=index,
-                        source=source,
-                        prompt_text=prompt if isinstance(prompt, str) else None,
-                    )
-                )
+                rids.append(self._enqueue(ids, error, params, group_id, index, source, text))
         stalled = 0
         while any(rid not in self._results for rid in rids):
             progressed = bool(self.step()) or self._last_step_ran
@@ -275,9 +285,34 @@ class Engine:
         prompt_text: str | None = None,
     ) -> int:
         """Queue one sample's request; returns its id (its result comes out of `step`)."""
+        self._check_request(params)
+        prompt = [int(t) for t in prompt_ids]
+        return self._enqueue(
+            prompt, self._validate_prompt(prompt), params, group_id, index, source, prompt_text
+        )
+
+    def _check_request(self, params: SamplingParams) -> None:
         self._check_usable()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass one to Engine(...) or use stop_token_ids")
+        if params.return_routing and self.args.moe_layer_ids and not self.cfg.record_routing:
+            raise ValueError(
+                "return_routing needs rollout.record_routing=true: the engine records the experts each token "
+                "chose only then (it costs a store per KV slot and a write per step)"
+            )
+
+    def _enqueue(
+        self,
+        prompt: list[int],
+        error: str | None,
+        params: SamplingParams,
+        group_id: int,
+        index: int,
+        source: Sample | None,
+        prompt_text: str | None,
+    ) -> int:
+        """Add a request for `prompt` (its own list of ints, or one its group's samples share: no request
+        modifies its prompt), finished at once with `error` (`_validate_prompt`'s) if there is one."""
         rid = self._next_rid
         self._next_rid += 1
         if params.seed is not None:
@@ -287,17 +322,20 @@ class Engine:
             self._seed_counter += 1
         req = Request(
             rid=rid,
-            prompt_ids=[int(t) for t in prompt_ids],
+            prompt_ids=prompt,
             params=params,
             seed=seed,
             group_id=group_id,
             index=index,
             source=source,
+            end_ids=None
+            if params.stop
+            else frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_ids),
+            max_output=min(params.max_new_tokens, self.max_context - len(prompt)),
         )
         self._requests[rid] = req
         if prompt_text is not None:
             self._prompt_texts[rid] = prompt_text
-        error = self._validate_prompt(req.prompt_ids)
         if error is not None:
             self._finish(req, SampleStatus.ABORTED, error)
         else:
@@ -350,7 +388,7 @@ class Engine:
             for req, message in plan.failed:
                 if not req.finished:
                     finished.append(self._finish(req, SampleStatus.ABORTED, message))
-        launched = self._launch(plan.chunks, plan.forks) if plan.chunks else None
+        launched = self._launch(plan.chunks, plan.forks, plan.plain_decode) if plan.chunks else None
         if self._in_flight is not None:
             self._last_step_ran = True
         finished.extend(self._resolve())
@@ -502,9 +540,10 @@ class Engine:
     def _validate_prompt(self, ids: list[int]) -> str | None:
         if not ids:
             return "empty prompt: a request needs at least one prompt token"
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            return f"prompt token id {bad[0]} is outside the model's vocabulary [0, {self.args.vocab_size})"
+        vocab = self.args.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            return f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})"
         if len(ids) + 1 > self.max_context:
             return (
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_context} tokens "
@@ -518,40 +557,48 @@ class Engine:
             )
         return None
 
-    def _launch(self, chunks: list[Chunk], forks: list[tuple[Request, Request]]) -> _Launched:
+    def _launch(
+        self, chunks: list[Chunk], forks: list[tuple[Request, Request]], plain_decode: bool = False
+    ) -> _Launched:
         """Queue the forward and sampling of `chunks` (and of the `forks`, which sample their leaders' last
-        logits rows); nothing here waits for the device."""
+        logits rows); nothing here waits for the device. `plain_decode`: every chunk is a running request's
+        next token (`StepPlan.plain_decode`), which skips the per-chunk accounting of prompt tokens."""
         s = self.stats
-        fork_chunks = [Chunk(req, len(req.prompt_ids), 0, True) for req, _ in forks]
-        extend = []
-        kv_tokens = 0
-        for c in chunks:
-            req = c.req
-            if not req.admitted:
-                self._count_admission(req, c.start)
-            computes_prompt = c.start < req.seq_len - 1 or not req.output_ids
-            extend.append(computes_prompt)
-            if computes_prompt:
-                s.prefill_tokens += c.length
-            else:
-                s.decode_tokens += c.length
-            kv_tokens += c.start + c.length
-        batch = self._build_batch(chunks)
+        if plain_decode:  # admitted when their prompts ran; nothing goes into the radix cache
+            extend = [False] * len(chunks)
+            batch = self._build_batch(chunks, plain_decode=True)
+            s.decode_tokens += len(chunks)
+        else:
+            extend = []
+            for c in chunks:
+                req = c.req
+                if not req.admitted:
+                    self._count_admission(req, c.start)
+                computes_prompt = c.start < req.seq_len - 1 or not req.output_ids
+                extend.append(computes_prompt)
+                if computes_prompt:
+                    s.prefill_tokens += c.length
+                else:
+                    s.decode_tokens += c.length
+            batch = self._build_batch(chunks)
         s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
         logits, routing = self.runner.forward(batch)
         if routing is not None and self.pool.routing is not None:
             self.pool.routing[batch.out_slots] = (
                 routing[:, : batch.num_tokens].permute(1, 0, 2).to(torch.int16)
             )
-        sampled = []
         for c in chunks:
             c.req.inflight_tokens = c.length
-            if c.samples:
-                sampled.append(c)
+        sampled = chunks if plain_decode else [c for c in chunks if c.samples]
         fork_reqs = [req for req, _ in forks]
-        counts = (batch.num_tokens, kv_tokens)
+        counts = (batch.num_tokens, sum(batch.kv_lens))
         if not sampled:
             return _Launched(chunks, extend, sampled, fork_reqs, *counts, None, None, None)
+        if plain_decode:
+            reqs, offsets = [c.req for c in chunks], None
+        else:
+            reqs = [c.req for c in sampled for _ in range(c.sample_rows)]
+            offsets = np.fromiter((j for c in sampled for j in range(c.sample_rows)), np.uint64, len(reqs))
         if forks:
             first_row, row = {}, 0
             for c in sampled:
@@ -559,16 +606,20 @@ class Engine:
                 row += c.sample_rows
             leader_rows = [first_row[leader.rid] for _, leader in forks]
             logits = torch.cat((logits, logits[host_to_device(torch.tensor(leader_rows), self.device)]))
-            sampled = sampled + fork_chunks
-        tokens, logprobs = self._sample(logits, [(c.req, j) for c in sampled for j in range(c.sample_rows)])
+            sampled = sampled + [Chunk(req, len(req.prompt_ids), 0, True) for req in fork_reqs]
+            reqs = reqs + fork_reqs
+            if offsets is not None:
+                offsets = np.concatenate((offsets, np.zeros(len(fork_reqs), np.uint64)))
+        tokens, logprobs = self._sample(logits, reqs, offsets)
+        if self.device.type != "cuda":  # read by `tolist` at once: no [2, S] float64 copy to make
+            host = (tokens, logprobs)
+            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, plain_decode)
         values = torch.stack([tokens.double(), logprobs.double()])
-        if self.device.type != "cuda":
-            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, values, None)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done)
+        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, plain_decode)
 
     def _count_admission(self, req: Request, cached: int) -> None:
         """A request's first chunk (or attached fork), starting at position `cached`: the prompt and
@@ -582,21 +633,32 @@ class Engine:
 
     def _commit(self, step: _Launched) -> None:
         """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""
+        nan = float("nan")
+        if step.plain_decode:  # the loops below in one: no prompt goes into the cache, no fork attaches
+            for row, c in enumerate(step.chunks):
+                req = c.req
+                req.kv_len += req.inflight_tokens
+                req.inflight_tokens = 0
+                if req.status == SampleStatus.PENDING and req.row >= 0:
+                    req.output_ids.append(-1)
+                    req.logprobs.append(nan)
+                    req.pending_index = row
+            return
         for c, computes_prompt in zip(step.chunks, step.extend):
             req = c.req
             req.kv_len += req.inflight_tokens  # 0 for a request `_finish` already settled
             req.inflight_tokens = 0
             if computes_prompt and not req.finished:
                 self.kv.cache_unfinished(req)
-        for req in step.forks:  # after the leaders' prompts went into the cache
-            # Not expected to fail (the leader's whole-page prompt was just inserted and is pinned); if it
-            # does, the fork computes its prompt itself later.
-            if not self.kv.attach_fork(req):
+        # After the leaders' prompts went into the cache. Not expected to fail (the leader's whole-page prompt
+        # was just inserted and is pinned); a fork that does computes its prompt itself later.
+        failed = set(self.kv.attach_forks(step.forks)) if step.forks else ()
+        for req in step.forks:
+            if req in failed:
                 self.scheduler.requeue(req)
             elif not req.admitted:
                 self._count_admission(req, len(req.prompt_ids))
         row = 0
-        nan = float("nan")
         for c in step.sampled:
             req = c.req
             if not req.finished and req.row >= 0:
@@ -614,24 +676,31 @@ class Engine:
             waited = time.perf_counter()
             step.done.synchronize()  # the step's tokens only, not whatever was queued after it
             self.stats.device_wait_s += time.perf_counter() - waited
-        tokens, logprobs = step.host.tolist()
+        tokens, logprobs = (values.tolist() for values in step.host)
         finished: list[Sample] = []
         cuts: list[tuple[Request, int]] = []
         row = plain = 0
         eos_ids, max_context, tokenizer = self.eos_ids, self.max_context, self.tokenizer
+        pending = SampleStatus.PENDING
         for c in step.sampled:
             req, first = c.req, row
             row += 1 + len(c.draft)  # its sample rows
-            if req.status != SampleStatus.PENDING or req.pending_index != first:
+            if req.status != pending or req.pending_index != first:
                 self.stats.dropped_rows += 1  # finished before this row's token was read
                 continue
             req.pending_index = -1
             if c.draft:
                 status = self._accept(req, c.draft, tokens[first:row], logprobs[first:row], cuts)
             else:
-                req.output_ids[-1], req.logprobs[-1] = int(tokens[first]), logprobs[first]
+                token = int(tokens[first])
+                req.output_ids[-1], req.logprobs[-1] = token, logprobs[first]
                 plain += 1
-                status = finish_status(req, eos_ids, max_context, tokenizer)
+                # The full check only where the token or the length may end the request (`Request.end_ids`).
+                ends = req.end_ids
+                if ends is None or token in ends or len(req.output_ids) >= req.max_output:
+                    status = finish_status(req, eos_ids, max_context, tokenizer)
+                else:
+                    status = None
             if status is not None:
                 finished.append(self._finish(req, status))
         self.stats.output_tokens += plain
@@ -641,7 +710,7 @@ class Engine:
     def _accept(
         self,
         req: Request,
-        draft: list[int],
+        draft: tuple[int, ...],
         tokens: list[float],
         logprobs: list[float],
         cuts: list[tuple[Request, int]],
@@ -680,15 +749,18 @@ class Engine:
         s.spec_accepted_tokens += accepted
         return status
 
-    def _build_batch(self, chunks: list[Chunk]) -> ForwardBatch:
+    def _build_batch(self, chunks: list[Chunk], plain_decode: bool = False) -> ForwardBatch:
         dev = self.device
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-        if all(c.length == 1 and c.samples for c in chunks):  # decode-shaped: one token each, all sample
+        count = len(chunks)
+        reqs = [c.req for c in chunks]
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=count)
+        every_token_samples = plain_decode or all(c.length == 1 and c.samples for c in chunks)
+        if every_token_samples:  # decode-shaped: one token each, all sample
             # Each feeds its sequence's last token.
-            ids = [c.req.output_ids[-1] if c.req.output_ids else c.req.prompt_ids[-1] for c in chunks]
-            lens = np.ones(len(chunks), dtype=np.int64)
+            ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+            lens = np.ones(count, dtype=np.int64)
             positions = starts
-            sample_index = torch.arange(len(chunks), device=dev)
+            sample_index = torch.arange(count, device=dev)
         else:
             ids = []
             rows_with_logits: list[int] = []
@@ -696,12 +768,12 @@ class Engine:
                 ids.extend(c.req.tokens(c.start, c.start + c.length - len(c.draft)))
                 ids.extend(c.draft)
                 rows_with_logits.extend(range(len(ids) - c.sample_rows, len(ids)))
-            lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=len(chunks))
+            lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=count)
             positions = concat_ranges(starts, lens)
             sample_index = host_to_device(torch.tensor(rows_with_logits, dtype=torch.long), dev)
-        rows = np.fromiter((c.req.row for c in chunks), dtype=np.int64, count=len(chunks))
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=count)
         out_slots = self.kv.alloc_extend(rows, starts, lens)
-        input_ids = host_to_device(torch.tensor(ids, dtype=torch.long), dev)
+        input_ids = host_to_device(np.array(ids, dtype=np.int64), dev)  # (torch.tensor of a list is slower)
         if self._in_flight is not None and self._in_flight.tokens is not None:
             # Tokens still on the device (placeholders -1): gather them from the step in flight.
             where, pending, offset = [], [], 0
@@ -723,31 +795,37 @@ class Engine:
             q_lens=lens.tolist(),
             kv_lens=(starts + lens).tolist(),
             sample_index=sample_index,
-            # Requests pinned to the same radix node share their first prefix_len slots.
-            prefix_groups=[id(c.req.node) if c.req.node is not None else -1 for c in chunks],
-            prefix_lens=[c.req.prefix_len for c in chunks],
+            # Requests pinned to the same radix node share their first prefix_len slots (read by the CPU
+            # attention only, which attends to a shared prefix once per group).
+            prefix_groups=[id(r.node) if r.node is not None else -1 for r in reqs] if self._groups else None,
+            prefix_lens=[r.prefix_len for r in reqs] if self._groups else None,
+            every_token_samples=every_token_samples,
         )
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[tuple[Request, int]]
+        self, logits: torch.Tensor, reqs: list[Request], offsets: np.ndarray | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row i samples response position len(output) + j of its (request, j): j > 0 are draft rows, whose
-        uniform numbers are the ones plain decoding would use there, so speculation changes no sample."""
-        settings = [(p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.params for r, _ in rows)]
-        reqs = [r for r, _ in rows]
+        """Row i samples response position len(output) + offsets[i] of request reqs[i] (offsets None: all 0):
+        offsets > 0 are draft rows, whose uniform numbers are the ones plain decoding would use there, so
+        speculation changes no sample."""
         if self._row_seeds is None or self._row_seeds[0] != reqs:  # the same requests as last step: kept
             self._row_seeds = (reqs, mix_seeds([r.seed for r in reqs]))
-        count = len(rows)
-        positions = np.fromiter((len(r.output_ids) + j for r, j in rows), dtype=np.uint64, count=count)
+        positions = np.fromiter((len(r.output_ids) for r in reqs), dtype=np.uint64, count=len(reqs))
+        if offsets is not None:
+            positions += offsets
         uniform = uniforms_of_mixed(self._row_seeds[1], positions)
-        if self._row_params is not None and self._row_params[0] == settings:  # e.g. decode steps
-            st = replace(self._row_params[1], uniform=host_to_device(uniform, self.device))
+        params = [r.params for r in reqs]
+        kept = self._row_params
+        # Reused while the rows have the same params with the same values (typically one shared object).
+        if kept is not None and kept[0] == params and all(_settings(p) == v for p, v in kept[1]):
+            st = replace(kept[2], uniform=host_to_device(uniform, self.device))
         else:
-            temperature, top_k, top_p, min_p = (list(column) for column in zip(*settings))
+            temperature, top_k, top_p, min_p = (list(column) for column in zip(*map(_settings, params)))
             st = SamplingTensors.build(
                 temperature, top_k, top_p, min_p, uniform, self.args.vocab_size, self.device
             )
-            self._row_params = (settings, st)
+            distinct = {id(p): p for p in params}.values()
+            self._row_params = (params, [(p, _settings(p)) for p in distinct], st)
         with fused.fused_kernels(self.runner.fused_kernels):
             return self._sample_rows(logits, st)
 

@@ -44,6 +44,8 @@ class ForwardBatch:
     """[B] sequences with the same id share the KV slots of their first `prefix_lens` positions (-1: none)."""
     prefix_lens: list[int] | None = None
     """[B] length of that shared (radix-cached) prefix."""
+    every_token_samples: bool = False
+    """`sample_index` is all N tokens in order (a plain decode step), so the logits need no row gather."""
 
     @property
     def num_tokens(self) -> int:

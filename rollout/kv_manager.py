@@ -59,22 +59,35 @@ class KVManager:
             req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
 
     def reserve_row(self, req: Request) -> None:
-        """A table row for a fork (`StepPlan.forks`), whose KV comes with `attach_fork` after the step."""
+        """A table row for a fork (`StepPlan.forks`), whose KV comes with `attach_forks` after the step."""
         req.row, req.kv_len, req.prefix_len, req.node = self.table.alloc(), 0, 0, None
 
-    def attach_fork(self, req: Request) -> bool:
-        """Point a fork's row at its whole prompt in the tree (its leader's chunk was just cached), pinned.
-        False if the tree does not hold the whole prompt; the row is then given back."""
+    def attach_forks(self, reqs: list[Request]) -> list[Request]:
+        """Point each fork's row at its whole prompt in the tree (its leader's chunk was just cached), pinned:
+        one tree walk and one table write per distinct prompt. Returns the forks whose prompt the tree does
+        not hold whole; their rows are given back."""
         assert self.tree is not None
-        match = self.tree.match_prefix(req.prompt_ids)
-        if match.length < len(req.prompt_ids):
-            self.table.free(req.row)
-            req.row = -1
-            return False
-        self.table.table[req.row, : match.length] = match.slots
-        self.tree.inc_lock_ref(match.node)
-        req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
-        return True
+        by_prompt: dict[int, list[Request]] = {}  # a group's samples share their prompt's list
+        for req in reqs:
+            by_prompt.setdefault(id(req.prompt_ids), []).append(req)
+        failed: list[Request] = []
+        for forks in by_prompt.values():
+            prompt = forks[0].prompt_ids
+            match = self.tree.match_prefix(prompt)
+            if match.length < len(prompt):
+                for req in forks:
+                    self.table.free(req.row)
+                    req.row = -1
+                failed += forks
+                continue
+            rows = host_to_device(
+                np.array([req.row for req in forks], dtype=np.int64), self.table.table.device
+            )
+            self.table.table[rows, : match.length] = match.slots
+            for req in forks:
+                self.tree.inc_lock_ref(match.node)
+                req.node, req.kv_len, req.prefix_len = match.node, match.length, match.length
+        return failed
 
     def alloc_extend(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> torch.Tensor:
         """Slots for positions starts[i] .. starts[i] + lens[i] - 1 of the requests holding table rows

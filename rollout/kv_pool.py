@@ -27,12 +27,14 @@ class KVLayout:
     dtype: torch.dtype
     page_size: int
     routing_shape: tuple[int, int] | None
-    """(num_moe_layers, top_k) when expert choices are stored per slot (MoE models)."""
+    """(num_moe_layers, top_k) when expert choices are stored per slot (MoE models recording routing)."""
 
     @classmethod
-    def for_model(cls, args: ModelArgs, dtype: torch.dtype, page_size: int) -> KVLayout:
+    def for_model(
+        cls, args: ModelArgs, dtype: torch.dtype, page_size: int, record_routing: bool = False
+    ) -> KVLayout:
         moe_layers = len(args.moe_layer_ids)
-        routing = (moe_layers, args.num_experts_per_tok) if moe_layers else None
+        routing = (moe_layers, args.num_experts_per_tok) if moe_layers and record_routing else None
         return cls(args.num_hidden_layers, args.num_key_value_heads, args.head_dim, dtype, page_size, routing)
 
     @property

@@ -62,11 +62,13 @@ class ModelRunner:
         flashinfer_kernel: str = "fa2",
         fused_kernels: bool = False,
         piecewise_min_batch: int = 0,
+        record_routing: bool = False,
     ) -> None:
         self.model, self.pool, self.table = model, pool, table
         self.backend = backend
         self.deterministic, self.det_chunk_tokens = deterministic, det_chunk_tokens
         self.is_moe = bool(model.args.moe_layer_ids)
+        self.record_routing = record_routing
         self.fused_kernels = fused_kernels
         self.flashinfer = None
         if backend == "flashinfer":
@@ -88,7 +90,9 @@ class ModelRunner:
         return TorchPagedAttention(self.pool, self.table, batch, self.staging)
 
     def new_trace(self) -> RoutingTrace | None:
-        return RoutingTrace(record=True) if self.is_moe else None
+        """A MoE forward's trace: it records the experts chosen when routing is recorded, and carries the
+        CUDA-graph batch's real rows either way."""
+        return RoutingTrace(record=self.record_routing) if self.is_moe else None
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,7 +120,8 @@ class ModelRunner:
         out = self.model.forward_packed(
             batch.input_ids, batch.positions, self.context(batch), self.new_trace()
         )
-        return self.model.compute_logits(out.hidden[batch.sample_index]), out.routing
+        hidden = out.hidden if batch.every_token_samples else out.hidden[batch.sample_index]
+        return self.model.compute_logits(hidden), out.routing
 
     def release(self) -> None:
         """Forget everything that points into the KV pool's memory (graphs are re-captured on demand)."""

@@ -42,12 +42,23 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64_int(x: int) -> int:
+    """`_splitmix64` of one value, in Python integers (no array round trip for a single seed)."""
+    z = (x + int(_GOLDEN)) & _MASK64
+    z = ((z ^ (z >> 30)) * int(_MIX1)) & _MASK64
+    z = ((z ^ (z >> 27)) * int(_MIX2)) & _MASK64
+    return z ^ (z >> 31)
+
+
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed mixed from integers (e.g. the user's seed and the sample index within its group)."""
-    h = np.zeros(1, dtype=np.uint64)
+    h = 0
     for part in parts:
-        h = _splitmix64(h ^ np.uint64(part & 0xFFFFFFFFFFFFFFFF))
-    return int(h[0] >> np.uint64(1))
+        h = _splitmix64_int(h ^ (part & _MASK64))
+    return h >> 1
 
 
 def uniforms(seeds: list[int] | np.ndarray, positions: list[int] | np.ndarray) -> np.ndarray:

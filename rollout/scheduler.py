@@ -25,14 +25,14 @@ _CLIP_NEW_TOKENS = 4096
 """Cap on any one request's expected future tokens in the admission estimate."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     req: Request
     start: int
     length: int
     samples: bool = False
     """The chunk reaches the end of the sequence, so its last position yields the next token."""
-    draft: list[int] = field(default_factory=list)
+    draft: tuple[int, ...] = ()
     """Speculative decoding: draft tokens fed after the sequence's last token; every row then samples."""
 
     @property
@@ -53,12 +53,17 @@ class StepPlan:
     forks: list[tuple[Request, Request]] = field(default_factory=list)
     """(request, leader): fresh requests with the same prompt as a leader whose chunk completes it in this
     step. They compute nothing: their first token is sampled from the leader's last logits row, and their
-    prompt's KV is the leader's, shared through the radix cache (`KVManager.attach_fork`)."""
+    prompt's KV is the leader's, shared through the radix cache (`KVManager.attach_forks`)."""
+    plain_decode: bool = False
+    """Every chunk feeds one running request's newest output token (no prompt token, no drafts, nothing
+    admitted)."""
 
     @functools.cached_property
     def is_decode(self) -> bool:
         """Read once the plan is complete (`Scheduler.schedule` does, at its end)."""
-        return bool(self.chunks) and all(c.samples and c.length == 1 + len(c.draft) for c in self.chunks)
+        return self.plain_decode or (
+            bool(self.chunks) and all(c.samples and c.length == 1 + len(c.draft) for c in self.chunks)
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -124,21 +129,20 @@ class Scheduler:
         plan = StepPlan()
         self._planned = 0  # slots this step's chunks will take
         decoding = self._decoding()
-        if len(decoding) + sum(len(r.draft) for r in decoding if r.draft) > self.cfg.max_batch_tokens:
+        if any(r.draft for r in decoding) and self._decode_tokens(decoding) > self.cfg.max_batch_tokens:
             for r in self.running:  # before making room: drafts that cannot run must not evict cache
                 r.draft = []
         room = self._make_room_for_decodes(plan, in_flight, decoding)
         if room is None:
             return plan  # nothing runs until the step in flight is read and its finished requests leave
         decoding, self._planned = room
-        budget = self.cfg.max_batch_tokens
-        for r in decoding:
-            if r.draft:
-                plan.chunks.append(Chunk(r, r.kv_len, 1 + len(r.draft), True, list(r.draft)))
-                budget -= 1 + len(r.draft)
-            else:
-                plan.chunks.append(Chunk(r, r.kv_len, 1, True))
-                budget -= 1
+        drafted = any(r.draft for r in decoding)
+        if drafted:
+            plan.chunks = [Chunk(r, r.kv_len, 1 + len(r.draft), True, tuple(r.draft)) for r in decoding]
+            budget = self.cfg.max_batch_tokens - self._decode_tokens(decoding)
+        else:
+            plan.chunks = [Chunk(r, r.kv_len, 1, True) for r in decoding]
+            budget = self.cfg.max_batch_tokens - len(decoding)
         in_batch: list[Request] = []
         prefilling = (
             [] if len(decoding) == len(self.running) else [r for r in self.running if not r.is_decoding]
@@ -153,6 +157,14 @@ class Scheduler:
         self._admit(plan, budget, in_batch)
         if not plan.chunks and self.running and not in_flight and all(r.can_grow for r in self.running):
             self._unblock(plan)
+        # A request without output yet whose chunked prefill stopped one token short "decodes" its last
+        # prompt token: that one is a prefill.
+        plan.plain_decode = (
+            bool(decoding)
+            and not drafted
+            and len(plan.chunks) == len(decoding)
+            and all(r.output_ids for r in decoding)
+        )
         if plan.is_decode:
             self.new_token_ratio = max(
                 self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
@@ -172,7 +184,19 @@ class Scheduler:
 
     def _decoding(self) -> list[Request]:
         # With overlap scheduling a request whose last allowed token is still in flight is running but done.
-        return [r for r in self.running if r.is_decoding and r.can_grow]
+        # (`is_decoding and can_grow`, spelled out: this runs over every running request every step.)
+        return [
+            r
+            for r in self.running
+            if r.row >= 0
+            and r.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1
+            and r.params.max_new_tokens > len(r.output_ids)
+        ]
+
+    @staticmethod
+    def _decode_tokens(decoding: list[Request]) -> int:
+        """Tokens the decoding requests feed: one each, plus their drafts."""
+        return len(decoding) + sum(len(r.draft) for r in decoding if r.draft)
 
     def _make_room_for_decodes(
         self, plan: StepPlan, in_flight: bool, decoding: list[Request]
@@ -186,7 +210,7 @@ class Scheduler:
         pages_needed, page_size = self.kv.pages_needed, self.kv.page_size
         while True:
             if page_size == 1:  # a slot per token
-                needed = len(decoding) + sum(len(r.draft) for r in decoding if r.draft)
+                needed = self._decode_tokens(decoding)
             else:
                 needed = sum(pages_needed(r, 1 + len(r.draft)) for r in decoding) * page_size
             if self.kv.ensure_free(needed):
@@ -261,7 +285,16 @@ class Scheduler:
         candidates = list(self.waiting)
         lengths: dict[int, int] = {}
         if self.kv.tree is not None and self.cfg.cache_aware and len(candidates) <= self.cfg.lpm_max_queue:
-            lengths = {r.rid: self.kv.match_length(r) for r in candidates}
+            # One tree walk per prompt: a group's samples share their prompt's list (`Engine.generate`).
+            by_prompt: dict[int, int] = {}
+            for r in candidates:
+                if r.output_ids:
+                    lengths[r.rid] = self.kv.match_length(r)
+                else:
+                    key = id(r.prompt_ids)
+                    if key not in by_prompt:
+                        by_prompt[key] = self.kv.match_length(r)
+                    lengths[r.rid] = by_prompt[key]
             candidates.sort(key=lambda r: -lengths[r.rid])  # stable: FCFS among equals
         admitted: list[Request] = []
         trie = _PrefixTrie()
@@ -360,17 +393,22 @@ def _leader_of(req: Request, leaders: dict[tuple[int, int, int], list[Request]])
 
 
 class _PrefixTrie:
-    """Token trie of the prompts computed in this step (in-batch prefix sharing)."""
+    """Token trie of the prompts computed in this step (in-batch prefix sharing). Built on the first
+    lookup: when every other sample of a group forks, nothing looks it up."""
 
     def __init__(self) -> None:
         self.root: dict[int, dict] = {}
+        self._pending: list[list[int]] = []
 
     def insert(self, ids: list[int]) -> None:
-        node = self.root
-        for t in ids:
-            node = node.setdefault(t, {})
+        self._pending.append(ids)
 
     def longest(self, ids: list[int]) -> int:
+        for pending in self._pending:
+            node = self.root
+            for t in pending:
+                node = node.setdefault(t, {})
+        self._pending.clear()
         node, n = self.root, 0
         for t in ids:
             node = node.get(t)  # type: ignore[assignment]

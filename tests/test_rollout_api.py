@@ -162,7 +162,7 @@ def test_deterministic_mode_is_batch_invariant(moe: bool) -> None:
 
 def test_routing_is_recorded_per_fed_token() -> None:
     model = tiny_model(moe=True, seed=5)
-    engine = Engine(model, None, config(max_batch_tokens=8, max_running_requests=8))
+    engine = Engine(model, None, config(max_batch_tokens=8, max_running_requests=8, record_routing=True))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=9, return_routing=True)
     for _ in range(2):  # the second round reuses cached prefixes (their routing comes from the slot store)
         for s in engine.generate(PROMPTS, params):
@@ -178,6 +178,21 @@ def test_routing_is_recorded_per_fed_token() -> None:
             assert s.routed_experts == expected
     (plain,) = engine.generate([PROMPTS[0]], params.with_(n=1, return_routing=False))
     assert plain.routed_experts is None
+
+
+def test_routing_is_recorded_only_when_configured() -> None:
+    """Without rollout.record_routing the pool has no routing store and no step writes one; a request that
+    asks for its routing then gets an error that says what to set, not a sample without it."""
+    model = tiny_model(moe=True, seed=5)
+    engine = Engine(model, None, config())
+    assert engine.pool.routing is None
+    with pytest.raises(ValueError, match="rollout.record_routing=true"):
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, return_routing=True))
+    (plain,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    assert plain.routed_experts is None and len(plain.response_ids) == 2
+    dense = Engine(tiny_model(), None, config())  # nothing to record: routed_experts stays None
+    (sample,) = dense.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, return_routing=True))
+    assert sample.routed_experts is None
 
 
 def test_sample_inputs_carry_their_fields() -> None:

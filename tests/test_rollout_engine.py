@@ -31,9 +31,9 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def kv_bytes(model: CausalLM, tokens: int, page_size: int = 1) -> int:
+def kv_bytes(model: CausalLM, tokens: int, page_size: int = 1, record_routing: bool = False) -> int:
     """A pool budget holding `tokens` usable tokens (plus the reserved page)."""
-    layout = KVLayout.for_model(model.args, model.dtype, page_size)
+    layout = KVLayout.for_model(model.args, model.dtype, page_size, record_routing)
     return (tokens + page_size) * layout.bytes_per_token
 
 
@@ -213,18 +213,19 @@ def test_a_fork_whose_prompt_is_not_cached_computes_it_itself(monkeypatch: pytes
     (its drawn token dropped) and computes what it lacks; its samples are still exact."""
     model = tiny_model(False, seed=7)
     engine = Engine(model, None, config())
-    attach = engine.kv.attach_fork
+    attach = engine.kv.attach_forks
     failed: list[int] = []
 
-    def attach_or_fail_once(req) -> bool:
-        if not failed:
-            failed.append(req.rid)
-            engine.kv.table.free(req.row)
-            req.row = -1
-            return False
-        return attach(req)
+    def attach_failing_one_once(reqs: list) -> list:
+        if failed:
+            return attach(reqs)
+        first = reqs[0]
+        failed.append(first.rid)
+        engine.kv.table.free(first.row)
+        first.row = -1
+        return [first, *attach(reqs[1:])]
 
-    monkeypatch.setattr(engine.kv, "attach_fork", attach_or_fail_once)
+    monkeypatch.setattr(engine.kv, "attach_forks", attach_failing_one_once)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=9)
     samples = engine.generate(PROMPTS[:2], params)
     assert failed and all(s.status == SampleStatus.TRUNCATED for s in samples)
@@ -336,8 +337,9 @@ def overlap_off_and_on(
         params,
         "overlap_schedule",
         ("off", "on"),
-        kv_cache_bytes=kv_bytes(model, 40),
+        kv_cache_bytes=kv_bytes(model, 40, record_routing=True),
         max_running_requests=16,
+        record_routing=True,
     )
 
 

@@ -663,7 +663,9 @@ def test_engine_moe_decode_runs_the_fused_experts(monkeypatch: pytest.MonkeyPatc
     )
     assert not calls
     monkeypatch.setattr(fused_moe, "experts_forward", counted)
-    engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on"))
+    engine = Engine(
+        model, None, config(backend="flashinfer", cuda_graph=True, fused_kernels="on", record_routing=True)
+    )
     # Graph padding rows skip the experts and may write NaN to page 0; no real request may read it.
     engine.pool.k_cache[:, 0] = float("nan")  # type: ignore[index]
     engine.pool.v_cache[:, 0] = float("nan")  # type: ignore[index]

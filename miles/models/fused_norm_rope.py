@@ -264,9 +264,12 @@ def qk_norm_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """The Triton kernel where it applies, else `fused.qk_norm_rope` (compiled inside `fused_kernels()`)."""
+    """The Triton kernel where it applies, else `fused.qk_norm_rope` (compiled inside `fused_kernels()`;
+    eager without autograd, its in-place form)."""
     if applies(qk, q_weight, k_weight, cos, sin):
         out = kernel.run(qk_norm_rope_kernel, qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
         if out is not None:
             return out
+    if not fused.compiling() and not torch.is_grad_enabled():
+        return fused.qk_norm_rope_inference(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
     return fused.call(fused.qk_norm_rope, qk, q_weight, k_weight, num_q_heads, eps, cos, sin)

@@ -54,18 +54,38 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not round the frequencies (at long
         # positions a bf16 inv_freq shifts rotation angles by whole radians; transformers keeps float32).
         self.inv_freq = rope_inv_freq(args)
+        self.max_positions = args.max_position_embeddings
+        self._cpu_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # Follow the module's device moves (.to / .cuda / to_empty) but never its dtype casts.
         self.inv_freq = self.inv_freq.to(fn(torch.empty(0)).device)
+        self._cpu_tables = {}
         return super()._apply(fn, recurse)
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [N, head_dim] of the rotation at each position, computed."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+            self._cpu_tables = {}
+        if positions.device.type != "cpu":  # computed: CUDA-graph capture must not read positions back
+            return self.angles(positions, dtype)
+        # On CPU each of the ~10 small ops costs more than the arithmetic: look the rows up in a table of
+        # every position, computed once by the same ops (so the values are the same bit for bit).
+        table = self._cpu_tables.get(dtype)
+        if table is None:
+            with torch.inference_mode(False), torch.no_grad():  # usable by training forwards too
+                table = self.angles(torch.arange(self.max_positions), dtype)
+            self._cpu_tables[dtype] = table
+        try:
+            return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        except IndexError:  # past the model's context (a trainer's forward may go there)
+            return self.angles(positions, dtype)
 
 
 class Attention(nn.Module):
