@@ -103,22 +103,23 @@ class KVManager:
             tok_pos = concat_ranges(starts, lens)
         rows_t, pos_t = host_to_device(tok_row, device), host_to_device(tok_pos, device)
         if p == 1:
-            slots = self.pool.alloc_pages(total).long()
+            pages = self.pool.alloc_pages(total)  # int32, as the table holds them
+            self.table.table[rows_t, pos_t] = pages
+            return pages.long()
+        # Positions inside a page the request already holds continue it; the others open new pages.
+        new_pages = -(-(starts + lens) // p) - -(-starts // p)
+        pages = self.pool.alloc_pages(int(new_pages.sum()))
+        page_in_req = tok_pos // p
+        first_new = np.repeat(-(-starts // p), lens)
+        is_new = page_in_req >= first_new
+        ordinal = np.repeat(np.cumsum(new_pages) - new_pages, lens) + page_in_req - first_new
+        base_existing = self.table.table[rows_t, host_to_device(page_in_req * p, device)].long()
+        if pages.numel():
+            base_new = pages.long()[host_to_device(np.clip(ordinal, 0, None), device)] * p
+            base = torch.where(host_to_device(is_new, device), base_new, base_existing)
         else:
-            # Positions inside a page the request already holds continue it; the others open new pages.
-            new_pages = -(-(starts + lens) // p) - -(-starts // p)
-            pages = self.pool.alloc_pages(int(new_pages.sum()))
-            page_in_req = tok_pos // p
-            first_new = np.repeat(-(-starts // p), lens)
-            is_new = page_in_req >= first_new
-            ordinal = np.repeat(np.cumsum(new_pages) - new_pages, lens) + page_in_req - first_new
-            base_existing = self.table.table[rows_t, host_to_device(page_in_req * p, device)].long()
-            if pages.numel():
-                base_new = pages.long()[host_to_device(np.clip(ordinal, 0, None), device)] * p
-                base = torch.where(host_to_device(is_new, device), base_new, base_existing)
-            else:
-                base = base_existing
-            slots = base + host_to_device(tok_pos % p, device)
+            base = base_existing
+        slots = base + host_to_device(tok_pos % p, device)
         self.table.table[rows_t, pos_t] = slots.to(torch.int32)
         return slots
 

@@ -105,6 +105,35 @@ def test_qk_norm_rope_is_each_heads_norm_then_rope(dtype: torch.dtype) -> None:
     assert torch.equal(both[:, 4:], fused.rms_norm_rope(k, wk, 1e-6, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_inference_form_of_qk_norm_rope_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """Scaling each head group in place (no autograd) is the same product per element as the expanded weight."""
+    qk = torch.randn(9, 8, 16, dtype=dtype)[:, 1:7]  # strided, as the layer's view of its QKV output is
+    wq, wk = torch.randn(16, dtype=dtype), torch.randn(16, dtype=dtype)
+    cos, sin = torch.randn(9, 16, dtype=dtype), torch.randn(9, 16, dtype=dtype)
+    expected = fused.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin)
+    assert torch.equal(fused.qk_norm_rope_inference(qk, wq, wk, 4, 1e-6, cos, sin), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rope_rows_come_from_a_table_with_the_same_bits(dtype: torch.dtype) -> None:
+    from miles.models.layers import RotaryEmbedding
+    from miles.models.presets import preset_args
+
+    rope = RotaryEmbedding(preset_args("qwen3", "qwen3-8b"))
+    positions = torch.cat([torch.randint(0, rope.max_positions, (500,)), torch.tensor([0, 40959])])
+    cos, sin = rope(positions, dtype)
+    assert dtype in rope._cpu_tables
+    ref_cos, ref_sin = rope.angles(positions, dtype)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    past = torch.tensor([3, rope.max_positions + 5])  # a trainer's forward may go past the context
+    assert torch.equal(rope(past, dtype)[0], rope.angles(past, dtype)[0])
+    with torch.enable_grad():  # the table is made outside inference mode: training forwards can use it
+        x = torch.randn(2, 1, 128, requires_grad=True)
+        (x * rope(torch.tensor([1, 2]), torch.float32)[0][:, None]).sum().backward()
+    assert x.grad is not None
+
+
 def test_an_input_error_is_raised_and_keeps_fusion_on(monkeypatch: pytest.MonkeyPatch) -> None:
     def failing_compile(fn: object, **kwargs: object) -> object:
         def run(*args: object) -> None:

@@ -102,6 +102,33 @@ def test_short_extends_attend_in_one_padded_call() -> None:
     assert_matches_plain_attention(attention, pool, table, batch, seed=2)
 
 
+FRESH = [(0, -1, 0, 0, 20), (1, -1, 0, 0, 20), (2, -1, 0, 0, 20), (3, -1, 0, 0, 24), (4, -1, 0, 30, 1)]
+FRESH += [(5, -1, 0, 0, 20), (6, -1, 0, 8, 20)]
+"""Whole prompts (nothing cached): three of 20 tokens side by side, one of 24, and after a decode one more of
+20; then a 20-token chunk after 8 cached tokens (it reads the pool)."""
+
+
+def test_whole_prompts_of_one_length_attend_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, table, batch = build(FRESH)
+    attention = TorchPagedAttention(pool, table, batch)
+    assert [(run.chunks, run.count, run.length) for run in attention.fresh_runs] == [
+        ([0, 1, 2], 3, 20),
+        ([3], 1, 24),
+        ([5], 1, 20),
+    ]
+    assert [start for start, _, _ in attention.prefills] == [105]  # the chunk after cached tokens
+    assert_matches_plain_attention(attention, pool, table, batch, seed=3)
+    # The same numbers as one call per sequence over keys gathered from the pool.
+    gen = torch.Generator().manual_seed(4)
+    n = batch.num_tokens
+    q, k, v = (torch.randn(n, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    batched = attention.attend(0, q, k, v, D**-0.5)
+    monkeypatch.setattr("miles.rollout.attention_torch._fresh_runs", lambda *args: [])
+    one_by_one = TorchPagedAttention(pool, table, batch)
+    assert not one_by_one.fresh_runs and len(one_by_one.prefills) == 6
+    assert torch.equal(one_by_one.attend(0, q, k, v, D**-0.5), batched)
+
+
 def _decode_step(
     table: RequestTable, rows: list[tuple[int, int, int, int]], step: int
 ) -> tuple[ForwardBatch, list[int]]:

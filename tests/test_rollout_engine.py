@@ -434,6 +434,32 @@ def test_no_draft_before_the_first_output_token() -> None:
         assert engine.pool.free_tokens == engine.pool.capacity_tokens
 
 
+def test_a_prompts_last_token_alone_is_prefill_not_a_plain_decode() -> None:
+    """A chunked prefill that stops one token short leaves the last prompt token to a one-token chunk that
+    looks like a decode; the step is not a plain decode step: the token is counted, and cached, as prompt."""
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    prompt = [57, 10, 93] * 5 + [57, 10]  # 17 tokens: chunks of 8, 8 and 1
+    engine = Engine(model, None, config(max_batch_tokens=8, max_running_requests=8))
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(in_flight: bool = False) -> object:
+        plans.append(schedule(in_flight))
+        return plans[-1]
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=1)
+    (sample,) = engine.generate([prompt], params)
+    assert [p.plain_decode for p in plans if p.chunks] == [False] * 3 + [True] * 4
+    assert (engine.stats.prefill_tokens, engine.stats.decode_tokens) == (17, 4)
+    ref = full_forward_logprobs(model, prompt, sample.response_ids, 1.0, -1, 1.0, 0.0)
+    torch.testing.assert_close(torch.tensor(sample.rollout_logprobs), ref, atol=1e-5, rtol=0)
+    engine.generate([prompt], params.with_(max_new_tokens=1))
+    assert (
+        engine.stats.cached_prompt_tokens == 16
+    )  # all the second request could take: its whole prompt is cached
+
+
 class _GraphsOutOfMemory:
     """Stands in for the CUDA-graph runner: every replay (its capture first) runs out of device memory."""
 

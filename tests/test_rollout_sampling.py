@@ -8,7 +8,7 @@ import torch
 from rollout_helpers import hf_logq
 
 from miles.rollout.params import SamplingParams
-from miles.rollout.sampling import SamplingTensors, sample, uniforms
+from miles.rollout.sampling import SamplingTensors, _splitmix64, derive_seed, sample, uniforms
 
 
 def chisquare(observed: object, expected: object) -> tuple[float, float]:
@@ -124,6 +124,19 @@ def test_uniforms_depend_only_on_seed_and_position() -> None:
     assert len(set(uniforms([1] * 100, np.arange(100)).tolist())) == 100
     u = uniforms(np.arange(100_000), np.zeros(100_000))
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.01
+
+
+def test_derived_seeds_are_splitmix64_of_the_parts() -> None:
+    """`derive_seed` mixes in Python integers what `_splitmix64` mixes on uint64 arrays (seeds stay what they
+    were when it used the arrays)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        parts = [int(x) for x in rng.integers(-(2**62), 2**62, size=int(rng.integers(1, 4)))]
+        h = np.zeros(1, dtype=np.uint64)
+        for part in parts:
+            h = _splitmix64(h ^ np.uint64(part & 0xFFFFFFFFFFFFFFFF))
+        assert derive_seed(*parts) == int(h[0] >> np.uint64(1))
+    assert derive_seed(0) == 0xE220A8397B1DCDAF >> 1  # splitmix64 seeded with 0: its published first output
 
 
 def test_sampling_params_validation() -> None:
