@@ -68,6 +68,7 @@ def test_bench_rollout_repeat_reports_medians_and_one_run_of_counters(
     # On CPU each engine run is paired with the baseline run right after it.
     pairs = sorted(hf / ours for hf, ours in zip(r["hf_wall_s_runs"], r["wall_s_runs"]))
     assert r["speedup_vs_hf_paired"] == pytest.approx(pairs[1])
+    assert r["speedup_vs_hf_best"] == pytest.approx(min(r["hf_wall_s_runs"]) / min(r["wall_s_runs"]))
     with pytest.raises(SystemExit, match="--repeat"):
         bench.main(["--model", "tiny", "--device", "cpu", "--repeat", "2", "--profile", "/tmp/unused"])
 
