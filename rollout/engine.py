@@ -331,7 +331,7 @@ class Engine:
             end_ids=None
             if params.stop
             else frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_ids),
-            max_output=min(params.max_new_tokens, self.max_context - len(prompt)),
+            room=self.max_context - len(prompt),
         )
         self._requests[rid] = req
         if prompt_text is not None:
@@ -521,20 +521,20 @@ class Engine:
             raise RuntimeError("the engine's KV memory is released; call engine.resume_memory() first")
 
     def _prompt_ids(self, prompt: Sample | list[int] | str) -> list[int]:
+        """A new list of Python ints (ids may come as numpy or torch scalars)."""
         if isinstance(prompt, Sample):
             if prompt.prompt_ids:
-                return list(prompt.prompt_ids)
+                return [int(t) for t in prompt.prompt_ids]
             prompt = prompt.prompt  # type: ignore[assignment]
             if isinstance(prompt, list):
                 if self.tokenizer is None:
                     raise ValueError("chat-message prompts need a tokenizer (or fill Sample.prompt_ids)")
-                return list(
-                    self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                )
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                return [int(t) for t in ids]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids or give Engine a tokenizer")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            return [int(t) for t in self.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
         return [int(t) for t in prompt]
 
     def _validate_prompt(self, ids: list[int]) -> str | None:
@@ -696,8 +696,8 @@ class Engine:
                 req.output_ids[-1], req.logprobs[-1] = token, logprobs[first]
                 plain += 1
                 # The full check only where the token or the length may end the request (`Request.end_ids`).
-                ends = req.end_ids
-                if ends is None or token in ends or len(req.output_ids) >= req.max_output:
+                ends, length = req.end_ids, len(req.output_ids)
+                if ends is None or token in ends or length >= req.params.max_new_tokens or length >= req.room:
                     status = finish_status(req, eos_ids, max_context, tokenizer)
                 else:
                     status = None

@@ -51,8 +51,8 @@ class Request:
     end_ids: frozenset[int] | None = None
     """The token ids that end it (EOS unless `ignore_eos`, and `stop_token_ids`), fixed when it is added;
     None (stop strings, or not set) checks every token in full (`outputs.finish_status`)."""
-    max_output: int = 0
-    """Output length at which it ends (`max_new_tokens`, or the model's context), fixed likewise."""
+    room: int = 0
+    """Output tokens the model's context leaves after the prompt."""
     pending_index: int = -1
     """Row of the newest output token in its step's sampled tokens while that token is still on the device
     (`output_ids[-1]` is then the placeholder -1); -1 when every output token is known."""

@@ -115,6 +115,19 @@ def test_the_inference_form_of_qk_norm_rope_gives_the_same_bits(dtype: torch.dty
     assert torch.equal(fused.qk_norm_rope_inference(qk, wq, wk, 4, 1e-6, cos, sin), expected)
 
 
+def test_qk_norm_rope_with_float32_weights_on_bf16_rows_is_the_same_without_autograd() -> None:
+    """Autocast training keeps float32 norm weights beside bf16 activations: the product promotes to float32,
+    so the no-grad forwards (old and reference logprobs) must not take the in-place bf16 form."""
+    from miles.models import fused_norm_rope
+
+    qk = torch.randn(5, 6, 16, dtype=torch.bfloat16)
+    wq, wk = torch.randn(16), torch.randn(16)
+    cos, sin = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        no_grad = fused_norm_rope.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin)
+    assert torch.equal(no_grad, fused.qk_norm_rope(qk, wq, wk, 4, 1e-6, cos, sin))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_rope_rows_come_from_a_table_with_the_same_bits(dtype: torch.dtype) -> None:
     from miles.models.layers import RotaryEmbedding

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from rollout_helpers import rollout_config, tiny_model
@@ -207,6 +208,11 @@ def test_sample_inputs_carry_their_fields() -> None:
     ]
     assert out[0].metadata == {"data_source": "x"} and out[0].metadata is not src.metadata
     assert out[0].loss_mask == [1] * len(out[0].response_ids)
+    # Prompt ids given as numpy or torch scalars come back (and run) as Python ints.
+    for ids in (list(np.array(PROMPTS[1])), list(torch.tensor(PROMPTS[1]))):
+        scalars = engine.generate([Sample(prompt="", prompt_ids=ids)], GREEDY)
+        assert scalars[0].prompt_ids == PROMPTS[1] and type(scalars[0].prompt_ids[0]) is int
+        assert scalars[0].response_ids == out[0].response_ids
 
 
 def test_metrics_names() -> None:

@@ -270,6 +270,8 @@ def qk_norm_rope(
         out = kernel.run(qk_norm_rope_kernel, qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
         if out is not None:
             return out
-    if not fused.compiling() and not torch.is_grad_enabled():
+    # In place only where the weights have qk's dtype: float32 weights on bf16 activations (autocast) promote
+    # the product to float32, which an in-place product would round back.
+    if not fused.compiling() and not torch.is_grad_enabled() and q_weight.dtype == k_weight.dtype == qk.dtype:
         return fused.qk_norm_rope_inference(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
     return fused.call(fused.qk_norm_rope, qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
