@@ -26,12 +26,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the weight, as Hugging Face does, so bf16 matches.
-    dtype = x.dtype
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its root mean square, computed in float32 and cast back (a new tensor): RMSNorm before the
+    weight, which Hugging Face applies after the cast, so bf16 matches."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * normalized(x, eps)
 
 
 def add_rms_norm(
@@ -84,9 +87,7 @@ def qk_norm_rope_inference(
     """`qk_norm_rope` in fewer eager kernels, without autograd: each norm weight scales its heads of the
     normalised rows in place instead of both being expanded into one [H, D] weight first (per element the
     same product, so the same bits)."""
-    dtype = qk.dtype
-    x32 = qk.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)  # a new tensor
+    normed = normalized(qk, eps)
     normed[:, :num_q_heads].mul_(q_weight)
     normed[:, num_q_heads:].mul_(k_weight)
     return rope(normed, cos, sin)
