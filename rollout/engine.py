@@ -52,6 +52,15 @@ _STALL_STEPS = 10_000
 _Settings = tuple[float, int, float, float]
 
 
+def _await_token(req: Request, row: int) -> None:
+    """A placeholder for the token that sample row `row` of the launched step gives `req` (`_resolve` puts
+    it in place), unless the request finished meanwhile or gave its row back."""
+    if not req.finished and req.row >= 0:
+        req.output_ids.append(-1)
+        req.logprobs.append(float("nan"))
+        req.pending_index = row
+
+
 def _settings(p: SamplingParams) -> _Settings:
     """What of a request's params its sampling row needs."""
     return (p.temperature, p.top_k, p.top_p, p.min_p)
@@ -115,8 +124,6 @@ class _Launched:
     (tokens, logprobs) tensors themselves."""
     done: torch.cuda.Event | None
     """Recorded after that copy (CUDA); None when the copy is synchronous."""
-    plain_decode: bool = False
-    """`StepPlan.plain_decode`: `sampled` is `chunks`, one row each, and nothing forks or extends."""
 
 
 class Engine:
@@ -613,13 +620,13 @@ class Engine:
         tokens, logprobs = self._sample(logits, reqs, offsets)
         if self.device.type != "cuda":  # read by `tolist` at once: no [2, S] float64 copy to make
             host = (tokens, logprobs)
-            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, plain_decode)
+            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, None)
         values = torch.stack([tokens.double(), logprobs.double()])
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, plain_decode)
+        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done)
 
     def _count_admission(self, req: Request, cached: int) -> None:
         """A request's first chunk (or attached fork), starting at position `cached`: the prompt and
@@ -633,39 +640,27 @@ class Engine:
 
     def _commit(self, step: _Launched) -> None:
         """Host bookkeeping of a launched step: KV lengths, placeholder tokens, radix-cache inserts."""
-        nan = float("nan")
-        if step.plain_decode:  # the loops below in one: no prompt goes into the cache, no fork attaches
-            for row, c in enumerate(step.chunks):
-                req = c.req
-                req.kv_len += req.inflight_tokens
-                req.inflight_tokens = 0
-                if req.status == SampleStatus.PENDING and req.row >= 0:
-                    req.output_ids.append(-1)
-                    req.logprobs.append(nan)
-                    req.pending_index = row
-            return
+        row = 0  # the next sampling chunk's first sample row (`step.sampled`: these chunks, then the forks)
         for c, computes_prompt in zip(step.chunks, step.extend):
             req = c.req
             req.kv_len += req.inflight_tokens  # 0 for a request `_finish` already settled
             req.inflight_tokens = 0
             if computes_prompt and not req.finished:
                 self.kv.cache_unfinished(req)
+            if c.samples:
+                _await_token(req, row)
+                row += 1 + len(c.draft)
         # After the leaders' prompts went into the cache. Not expected to fail (the leader's whole-page prompt
         # was just inserted and is pinned); a fork that does computes its prompt itself later.
         failed = set(self.kv.attach_forks(step.forks)) if step.forks else ()
         for req in step.forks:
             if req in failed:
                 self.scheduler.requeue(req)
-            elif not req.admitted:
-                self._count_admission(req, len(req.prompt_ids))
-        row = 0
-        for c in step.sampled:
-            req = c.req
-            if not req.finished and req.row >= 0:
-                req.output_ids.append(-1)
-                req.logprobs.append(nan)
-                req.pending_index = row
-            row += 1 + len(c.draft)  # its sample rows
+            else:
+                if not req.admitted:
+                    self._count_admission(req, len(req.prompt_ids))
+                _await_token(req, row)
+            row += 1
 
     def _resolve(self) -> list[Sample]:
         """Wait for the step in flight, put its tokens in place of the placeholders, finish requests."""
