@@ -6,8 +6,9 @@ into the query dimension, so keys and values are never repeated for grouped-quer
 decodes whose requests share a cached prefix (the `n` samples of a group) attend to that prefix once per
 group ("cascade" attention): prefix and own-suffix partial results are merged through their log-sum-exp.
 Everything that indexing needs (decode order, KV slots, masks, gather buffers) is planned once per step,
-so that a layer runs only gathers, two attention kernels and the merge. Longer sequences (prefill chunks)
-go one at a time.
+so that a layer runs only gathers, two attention kernels and the merge. A float32 CPU step that stages its
+decodes on one thread runs prefix and suffix of every decode row in one call of a C kernel instead
+(cpu_attention.py). Longer sequences (prefill chunks) go one at a time.
 
 `RowwiseAttention` is the deterministic variant: every query row attends over exactly its own prefix in a
 call of its own, so its result cannot depend on which other rows share the step.
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.attention import sdpa
+from miles.rollout import cpu_attention
 from miles.rollout.decode_staging import DecodeStaging
 from miles.rollout.forward_batch import ForwardBatch, host_to_device
 from miles.rollout.kv_pool import KVPool, RequestTable
@@ -37,6 +39,9 @@ def _flash_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU flash attention: q [B, H, Lq, D], k/v [B, H, Lk, D], additive `bias` broadcast over the scores
     -> (out [B, H, Lq, D], logsumexp of the scores [B, H, Lq] float32)."""
+    # The op reads the head dimension as if contiguous (torch 2.13: a transposed view of the keys gives wrong
+    # results, no error); the C kernel's transposed staged keys come here when it is off.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, False, attn_mask=bias, scale=scale
     )
@@ -136,6 +141,13 @@ class _SharedPrefixes:
     """[G, P] KV slots of each group's prefix (padded with slot 0)."""
     bias: torch.Tensor | None
     """[G, 1, 1, P] additive mask, -inf past a shorter prefix; None when all prefixes have the same length."""
+    lengths: np.ndarray
+    """[G] each group's prefix length."""
+    sizes: list[int]
+    """Members of each group."""
+    kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(prefix lengths [G], each decode row's group [rows], -1 past the members) as int32 tensors for the CPU
+    kernel, made at its first step."""
 
 
 @dataclass
@@ -190,14 +202,23 @@ class _ShortExtends:
 
 class TorchPagedAttention:
     def __init__(
-        self, pool: KVPool, table: RequestTable, batch: ForwardBatch, staging: DecodeStaging | None = None
+        self,
+        pool: KVPool,
+        table: RequestTable,
+        batch: ForwardBatch,
+        staging: DecodeStaging | None = None,
+        cpu_kernel: bool = False,
     ) -> None:
+        """`cpu_kernel`: whether the C decode kernel (cpu_attention.py) has code for this model's decodes; it
+        runs on the steps that stage (CPU)."""
         self.pool, self.out_slots = pool, batch.out_slots
         self.staging = staging
+        self.cpu_kernel = cpu_kernel
         self.staged = False
         self.dec_tokens: torch.Tensor | None = None
         self.dec_in_place = False
         self.shared: _SharedPrefixes | None = None
+        self.kernel: cpu_attention.DecodePlan | None = None
         decode_only = bool(batch.q_lens) and max(batch.q_lens) == 1
         if decode_only and staging is not None and staging.order is not None:
             kv_lens = np.asarray(batch.kv_lens)
@@ -270,9 +291,12 @@ class TorchPagedAttention:
         rows = plan.decode_rows
         if self.staging is not None:
             tenancy = table.tenancy[rows]
-            self.staged = device.type == "cpu" and self.staging.begin(rows, tenancy, first, suffix)
+            kernel = self.cpu_kernel and cpu_attention.usable()
+            self.staged = device.type == "cpu" and self.staging.begin(rows, tenancy, first, suffix, kernel)
             if self.staged and self.shared is None:
                 self.staging.no_prefix()
+            if self.staged and kernel:
+                self.kernel = self._kernel_plan(suffix, len(rows))
         self.dec_slots: torch.Tensor | None = None
         if not (self.staged and self.staging.appending):  # type: ignore[union-attr]
             cols = np.minimum(first[:, None] + np.arange(width), table.max_context - 1)
@@ -286,12 +310,31 @@ class TorchPagedAttention:
                 torch.empty(shape, dtype=lay.dtype, device=device),
                 torch.empty(shape, dtype=lay.dtype, device=device),
             )
-        # Equal lengths (e.g. the samples of a group) need no mask, which lets SDPA take its fused kernel.
+        self.dec_suffix = suffix
         self.dec_mask: torch.Tensor | None = None
-        if suffix.min() < width:
-            self.dec_mask = _step_mask(
-                (np.arange(width) < suffix[:, None])[:, None, None, :], lay.dtype, device
-            )
+        self.dec_mask_made = False
+
+    def _suffix_mask(self) -> torch.Tensor | None:
+        """The suffix attention's mask, made at its first layer (the C kernel needs none); None when every
+        suffix has the same length (e.g. the samples of a group), which lets SDPA take its fused kernel."""
+        if not self.dec_mask_made:
+            suffix, width = self.dec_suffix, int(self.dec_suffix.max())
+            if suffix.min() < width:
+                allowed = (np.arange(width) < suffix[:, None])[:, None, None, :]
+                self.dec_mask = _step_mask(allowed, self.pool.layout.dtype, self.pool.device)
+            self.dec_mask_made = True
+        return self.dec_mask
+
+    def _kernel_plan(self, suffix: np.ndarray, rows: int) -> cpu_attention.DecodePlan:
+        sh = self.shared
+        lengths = torch.from_numpy(suffix.astype(np.int32))
+        if sh is None:
+            return cpu_attention.DecodePlan(lengths)
+        if sh.kernel_args is None:
+            row_group = np.full(rows, -1, dtype=np.int32)
+            row_group[: sh.members] = np.repeat(np.arange(sh.groups, dtype=np.int32), sh.sizes)
+            sh.kernel_args = (torch.from_numpy(sh.lengths.astype(np.int32)), torch.from_numpy(row_group))
+        return cpu_attention.DecodePlan(lengths, *sh.kernel_args)
 
     def _plan_short(
         self, table: RequestTable, batch: ForwardBatch, idx: list[int], starts: list[int]
@@ -360,7 +403,7 @@ class TorchPagedAttention:
         if beyond.any():
             slots.masked_fill_(host_to_device(beyond, device), 0)
             bias = _step_mask(~beyond[:, None, None, :], lay.dtype, device)
-        return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias)
+        return _SharedPrefixes(len(groups), width, sum(sizes), padded, real, slots, bias, lengths, sizes)
 
     def kv_write(self, layer_idx: int) -> None:
         return None  # the reference backend writes through `pool.write`
@@ -414,25 +457,33 @@ class TorchPagedAttention:
         b, hq, d = q.shape
         hkv = self.pool.layout.num_kv_heads
         qg = q.reshape(b, hkv, hq // hkv, d)
+        sh = self.shared
         if self.staged:
             keys, values = self.staging.suffix(layer_idx, self.dec_slots, k, v)  # type: ignore[union-attr]
+            prefix = self.staging.prefix(layer_idx, sh.slots) if sh is not None else None  # type: ignore[union-attr]
         else:
             keys, values = self.pool.gather(layer_idx, self.dec_slots, self.dec_buffers)  # [L, B, Hkv, D]
             keys, values = keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
-        if self.shared is None:
-            return F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.dec_mask, scale=scale)
-        out, lse = _flash_lse(qg, keys, values, self.dec_mask, scale)
-        sh = self.shared
+            prefix = None
+            if sh is not None:
+                pk, pv = self.pool.gather(layer_idx, sh.slots)  # [G, P, Hkv, D]
+                prefix = pk.transpose(1, 2), pv.transpose(1, 2)
+        if self.kernel is not None:
+            out = self.kernel.attend(q, prefix, (keys, values), scale)
+            if out is not None:
+                return out
+            self.kernel = None  # off for good: the flash-attention path from this layer on
+        if sh is None:
+            return F.scaled_dot_product_attention(
+                qg, keys, values, attn_mask=self._suffix_mask(), scale=scale
+            )
+        out, lse = _flash_lse(qg, keys, values, self._suffix_mask(), scale)
+        assert prefix is not None
         g, m = sh.groups, sh.width
         grouped = qg[: g * m] if sh.padded is None else qg.index_select(0, sh.padded)
         # Every member's queries against its group's one prefix: [G, Hkv, M * (Hq / Hkv), D].
         gq = grouped.view(g, m, hkv, -1, d).transpose(1, 2).reshape(g, hkv, -1, d)
-        if self.staged:
-            pk, pv = self.staging.prefix(layer_idx, sh.slots)  # type: ignore[union-attr]
-        else:
-            pk, pv = self.pool.gather(layer_idx, sh.slots)  # [G, P, Hkv, D]
-            pk, pv = pk.transpose(1, 2), pv.transpose(1, 2)
-        p_out, p_lse = _flash_lse(gq, pk, pv, sh.bias, scale)
+        p_out, p_lse = _flash_lse(gq, *prefix, sh.bias, scale)
         p_out = p_out.view(g, hkv, m, -1, d).transpose(1, 2)  # [G, M, Hkv, Hq / Hkv, D]
         p_lse = p_lse.view(g, hkv, m, -1).transpose(1, 2)
         own, own_lse = out[: sh.members], lse[: sh.members]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.rollout.cpu_attention import BLOCK
 from miles.rollout.kv_pool import KVPool
 
 _MIN_CAPACITY = 64
@@ -26,9 +27,15 @@ MAX_BYTES = 256 * 2**20
 """Above this, staging is skipped (every step gathers), so a large CPU batch costs no second KV copy."""
 
 
+def _whole_blocks(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
 class DecodeStaging:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
+        self.transposed_keys = False
+        """The layout of the copies: chosen by each step that gathers, kept by the steps that append."""
         lay = pool.layout
         self.num_layers, self.heads, self.dim, self.dtype = (
             lay.num_layers,
@@ -57,33 +64,53 @@ class DecodeStaging:
         """The attention backend's plan of the last decode-only step, for the next to reuse (attention_torch)."""
 
     # per step ------------------------------------------------------------------------------------
-    def begin(self, rows: np.ndarray, tenancy: np.ndarray, first: np.ndarray, lengths: np.ndarray) -> bool:
+    def begin(
+        self,
+        rows: np.ndarray,
+        tenancy: np.ndarray,
+        first: np.ndarray,
+        lengths: np.ndarray,
+        transposed_keys: bool = False,
+    ) -> bool:
         """Start a decode step over `rows` (table rows in decode order, held by their `tenancy`-th requests)
-        with own-suffix `lengths` after `first` shared positions. Returns whether this step can stage at
-        all; then `suffix` and `prefix` serve it, and `layer_done` marks each layer finished."""
+        with own-suffix `lengths` after `first` shared positions, its keys staged transposed or not. Returns
+        whether this step can stage at all; then `suffix` and `prefix` serve it, and `layer_done` marks each
+        layer finished."""
         width = int(lengths.max())
         extends = (
             self.completed
+            and transposed_keys == self.transposed_keys
             and self.rows is not None
             and np.array_equal(rows, self.rows)
             # A row freed and handed to another request whose length happens to follow on is a new request.
             and np.array_equal(tenancy, self.tenancy)  # type: ignore[arg-type]
             and np.array_equal(first, self.first)  # type: ignore[arg-type]
             and np.array_equal(lengths, self.lengths + 1)  # type: ignore[operator]
-            and width <= self.keys[0].shape[2]
+            and width <= self.capacity
         )
         self.completed = False
         if not extends:
-            capacity = max(_MIN_CAPACITY, 2 * width)
+            capacity = self._capacity(width)
             if self._bytes(len(rows), capacity) > MAX_BYTES:
                 self.clear()
                 return False
             self.rows, self.tenancy, self.first = rows, tenancy, first
             self.keys, self.values = [], []
+            self.transposed_keys = transposed_keys
         self.lengths = lengths
         self.appending = extends
         self.uniform = bool((lengths == width).all())
         return True
+
+    @property
+    def capacity(self) -> int:
+        """Positions staged per row (0 before the first step)."""
+        if not self.values:
+            return 0
+        return self.values[0].shape[2]
+
+    def _capacity(self, width: int) -> int:
+        return _whole_blocks(max(_MIN_CAPACITY, 2 * width))
 
     def _bytes(self, rows: int, capacity: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -99,26 +126,36 @@ class DecodeStaging:
         width = int(self.lengths.max())
         if self.appending:
             keys, values = self.keys[layer], self.values[layer]
+            key_at = keys.mT if self.transposed_keys else keys  # [rows, heads, positions, dim] either way
             if self.uniform:
-                keys[:, :, width - 1].copy_(new_k)
+                key_at[:, :, width - 1].copy_(new_k)
                 values[:, :, width - 1].copy_(new_v)
             else:
                 rows = torch.arange(len(self.lengths))
                 cols = torch.from_numpy(self.lengths - 1)
-                keys[rows, :, cols] = new_k
+                key_at[rows, :, cols] = new_k
                 values[rows, :, cols] = new_v
         else:
-            capacity = max(_MIN_CAPACITY, 2 * width)
-            shape = (len(self.lengths), self.heads, capacity, self.dim)
+            shape = (len(self.lengths), self.heads, self._capacity(width), self.dim)
             # Zeros, not empty: positions past a shorter row's suffix are masked, and 0 * NaN would not be.
-            keys = torch.zeros(shape, dtype=self.dtype, device=self.pool.device)
             values = torch.zeros(shape, dtype=self.dtype, device=self.pool.device)
+            keys = self._new_keys(shape)
             k, v = self.pool.gather(layer, slots)  # [width, rows, heads, dim]
-            keys[:, :, :width].copy_(k.permute(1, 2, 0, 3))
+            self._key_view(keys, width).copy_(k.permute(1, 2, 0, 3))
             values[:, :, :width].copy_(v.permute(1, 2, 0, 3))
             self.keys.append(keys)
             self.values.append(values)
-        return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
+        return self._key_view(self.keys[layer], width), self.values[layer][:, :, :width]
+
+    def _new_keys(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """Zeroed keys for `shape` [count, heads, positions, dim], in this staging's layout."""
+        if self.transposed_keys:
+            shape = (shape[0], shape[1], shape[3], shape[2])
+        return torch.zeros(shape, dtype=self.dtype, device=self.pool.device)
+
+    def _key_view(self, keys: torch.Tensor, width: int) -> torch.Tensor:
+        """The first `width` positions of staged keys, as [count, heads, positions, dim]."""
+        return keys[..., :width].mT if self.transposed_keys else keys[:, :, :width]
 
     def layer_done(self, layer: int) -> None:
         """`layer` attended with everything staged; after the last one the step's copies are complete."""
@@ -142,8 +179,14 @@ class DecodeStaging:
             if regather:
                 self.prefix_slots, self.prefix_keys, self.prefix_values = slots, [], []
             self._prefix_fresh = regather
+        width = slots.shape[1]
         if self._prefix_fresh:
             k, v = self.pool.gather(layer, slots)  # [groups, P, heads, dim]
-            self.prefix_keys.append(k.transpose(1, 2).contiguous())
+            if self.transposed_keys:
+                keys = self._new_keys((len(slots), self.heads, _whole_blocks(width), self.dim))
+                self._key_view(keys, width).copy_(k.transpose(1, 2))
+            else:
+                keys = k.transpose(1, 2).contiguous()
+            self.prefix_keys.append(keys)
             self.prefix_values.append(v.transpose(1, 2).contiguous())
-        return self.prefix_keys[layer], self.prefix_values[layer]
+        return self._key_view(self.prefix_keys[layer], width), self.prefix_values[layer]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from miles.models import fused
 from miles.models.model import CausalLM
 from miles.models.moe import Experts, RoutingTrace
+from miles.rollout import cpu_attention
 from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
 from miles.rollout.decode_staging import DecodeStaging
 from miles.rollout.forward_batch import ForwardBatch
@@ -78,6 +79,10 @@ class ModelRunner:
         # CPU decode steps carry their gathered keys and values over to the next step (decode_staging.py).
         cpu_torch = backend == "torch" and pool.device.type == "cpu" and not deterministic
         self.staging = DecodeStaging(pool) if cpu_torch else None
+        args, lay = model.args, pool.layout
+        q_per_kv = args.num_attention_heads // args.num_key_value_heads
+        # Whether the C decode kernel has code for these decodes (cpu_attention.py).
+        self.cpu_kernel = cpu_torch and cpu_attention.applies(lay.dtype, pool.device, q_per_kv, lay.head_dim)
         self.graphs = None
         if cuda_graph_max_batch > 0 and self.flashinfer is not None and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner
@@ -87,7 +92,7 @@ class ModelRunner:
     def context(self, batch: ForwardBatch):  # noqa: ANN201 - an AttentionContext
         if self.flashinfer is not None:
             return self.flashinfer.context(batch)
-        return TorchPagedAttention(self.pool, self.table, batch, self.staging)
+        return TorchPagedAttention(self.pool, self.table, batch, self.staging, self.cpu_kernel)
 
     def new_trace(self) -> RoutingTrace | None:
         """A MoE forward's trace: it records the experts chosen when routing is recorded, and carries the

@@ -149,11 +149,24 @@ def _decode_step(
     return batch, kv_lens
 
 
-def test_staged_decode_steps_equal_fresh_gathers() -> None:
+@pytest.mark.parametrize("layout", ["flash", "kernel", "kernel fails"])
+def test_staged_decode_steps_equal_fresh_gathers(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Consecutive decode steps that carry their plan, keys and values over (DecodeStaging) attend exactly as
     steps that plan and gather everything again: appending one token per step at equal and unequal suffix lengths,
-    after a row leaves, when a suffix outgrows the staged capacity, and after a forward failed half-way."""
+    after a row leaves, when a suffix outgrows the staged capacity, and after a forward failed half-way. With
+    the C decode kernel the staged steps run it against the flash path; where it fails, the flash path runs
+    over the copies staged for it, and later steps stage for the flash path again."""
+    from miles.rollout import cpu_attention
     from miles.rollout.decode_staging import DecodeStaging
+
+    cpu_kernel = layout != "flash"
+    monkeypatch.setattr(cpu_attention.kernel, "on", True)
+    if layout == "kernel fails":
+
+        def broken() -> None:
+            raise RuntimeError("no compiler")
+
+        monkeypatch.setattr(cpu_attention, "_load", broken)
 
     layers, gen = 2, torch.Generator().manual_seed(3)
     pool = KVPool(KVLayout(layers, HKV, D, torch.float32, 1, None), 2048, torch.device("cpu"))
@@ -179,7 +192,7 @@ def test_staged_decode_steps_equal_fresh_gathers() -> None:
     everyone = [(0, 7, 20, 22), (1, 7, 20, 25), (2, 7, 20, 21), (3, -1, 0, 40), (4, -1, 0, 40)]
     schedule = [(everyone, s) for s in range(4)]  # unequal suffixes: rows 0-2 grow from 2, 5 and 1
     schedule += [(everyone[:2] + everyone[3:], s) for s in range(4, 8)]  # row 2 left the batch
-    schedule += [(everyone[3:], s) for s in range(8, 70)]  # equal suffixes of 49..110: outgrow 64, then 128
+    schedule += [(everyone[3:], s) for s in range(8, 80)]  # equal suffixes of 49..120: outgrow 64, then 112
     for i, (rows, step) in enumerate(schedule):
         batch, _ = _decode_step(table, rows, step)
         n = len(rows)
@@ -189,19 +202,25 @@ def test_staged_decode_steps_equal_fresh_gathers() -> None:
             for _ in range(layers)
         ]
         if i == 10:  # this forward fails after its first layer: the next step must not append to stale copies
-            TorchPagedAttention(pool, table, batch, staging).attend(0, q, *kv[0], D**-0.5)
+            TorchPagedAttention(pool, table, batch, staging, cpu_kernel).attend(0, q, *kv[0], D**-0.5)
             continue
         before, planned = gathers, staging.order
-        staged = TorchPagedAttention(pool, table, batch, staging)
+        staged = TorchPagedAttention(pool, table, batch, staging, cpu_kernel)
         # The same rows one token further reuse the last step's plan, even after a failed forward.
         assert (staging.order is planned) == (i > 0 and schedule[i - 1][0] == rows)
         out = [staged.attend(layer, q, *kv[layer], D**-0.5) for layer in range(layers)]
+        assert (staged.kernel is not None) == (layout == "kernel")
+        assert staging.transposed_keys == (layout == "kernel" or (layout == "kernel fails" and i == 0))
         appended = gathers == before
         fresh = TorchPagedAttention(pool, table, batch)
         for layer in range(layers):
             ref = fresh.attend(layer, q, *kv[layer], D**-0.5)
             torch.testing.assert_close(out[layer], ref, atol=1e-6, rtol=1e-6)
-        first_of_run = i == 0 or schedule[i - 1][0] != rows or i == 11
-        grew = step == 64  # rows 3-4 staged 104 positions (2 x 52) at step 11; their suffixes reach 105 here
+        # After the kernel failed at step 0, step 1 stages for the flash path afresh.
+        first_of_run = (
+            i == 0 or schedule[i - 1][0] != rows or i == 11 or (layout == "kernel fails" and i == 1)
+        )
+        # Rows 3-4 staged 112 positions (2 x 52, in whole blocks of 16) at step 11; their suffixes reach 113 here.
+        grew = step == 72
         assert appended == (not first_of_run and not grew), (i, step, appended)
-    assert staging.keys[0].shape[2] == 2 * 105
+    assert staging.capacity == 240  # 2 x 113 in whole blocks
