@@ -146,7 +146,7 @@ class Engine:
         self.args = model.args
         self.device, self.dtype = model.device, model.dtype
         model.eval()
-        self.backend = resolve_backend(cfg.backend, self.device, self.dtype)
+        self.backend = resolve_backend(cfg.backend, self.device, self.dtype, self.args.head_dim)
         layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size, cfg.record_routing)
         self.pool = KVPool(layout, self._pool_pages(layout), self.device)
         self.max_context = self.args.max_position_embeddings

@@ -28,10 +28,19 @@ from miles.rollout.kv_pool import KVPool, RequestTable
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+"""The head sizes flashinfer's paged prefill and decode kernels are built for."""
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
     has_flashinfer = importlib.util.find_spec("flashinfer") is not None
     if name == "auto":
-        ok = device.type == "cuda" and has_flashinfer and dtype in (torch.bfloat16, torch.float16)
+        ok = (
+            device.type == "cuda"
+            and has_flashinfer
+            and dtype in (torch.bfloat16, torch.float16)
+            and head_dim in FLASHINFER_HEAD_DIMS
+        )
         return "flashinfer" if ok else "torch"
     if name == "torch":
         return name
@@ -45,6 +54,11 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"flashinfer kernels run bf16/fp16 models, not {dtype}; use rollout.backend=torch"
+            )
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
+            raise ValueError(
+                f"flashinfer kernels are built for head_dim {dims}, not {head_dim}; use rollout.backend=torch"
             )
         return name
     raise ValueError(f"rollout.backend must be auto, torch or flashinfer, got {name!r}")

@@ -241,3 +241,24 @@ def test_flashinfer_page_table_metadata() -> None:
     table.table[0, :4] = torch.tensor([4, 5, 6, 7], dtype=torch.int32)
     indptr, indices, last = paged_kv_metadata(table, [2, 0], [10, 4], page)
     assert indptr.tolist() == [0, 3, 4] and indices.tolist() == [2, 10, 5, 1] and last.tolist() == [2, 4]
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` takes flashinfer only where its kernels run (CUDA, bf16/fp16, a head size they are built for);
+    asking for it elsewhere is an error that names the way out."""
+    import importlib.util
+
+    from miles.rollout.model_runner import resolve_backend
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if flashinfer were installed
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert resolve_backend("auto", cuda, bf16, 128) == "flashinfer"
+    assert resolve_backend("auto", cuda, bf16, 16) == "torch"  # the tiny models' head size
+    assert resolve_backend("auto", cuda, torch.float32, 128) == "torch"
+    assert resolve_backend("auto", cpu, bf16, 128) == "torch"
+    with pytest.raises(ValueError, match="head_dim 64, 128, 256, not 16; use rollout.backend=torch"):
+        resolve_backend("flashinfer", cuda, bf16, 16)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_backend("flashinfer", cpu, bf16, 128)
+    with pytest.raises(ValueError, match="must be auto, torch or flashinfer"):
+        resolve_backend("triton", cuda, bf16, 128)
