@@ -396,6 +396,8 @@ class Engine:
                 if not req.finished:
                     finished.append(self._finish(req, SampleStatus.ABORTED, message))
         launched = self._launch(plan.chunks, plan.forks, plan.plain_decode) if plan.chunks else None
+        if launched is None and self._in_flight is None:
+            finished.extend(self._finish_stalled())
         if self._in_flight is not None:
             self._last_step_ran = True
         finished.extend(self._resolve())
@@ -661,6 +663,17 @@ class Engine:
                     self._count_admission(req, len(req.prompt_ids))
                 _await_token(req, row)
             row += 1
+
+    def _finish_stalled(self) -> list[Sample]:
+        """Requests whose output already reached `max_new_tokens`, lowered in place on their params while
+        they ran: nothing is scheduled for them and no token of theirs is in flight, so they end here (with
+        the tokens they have) instead of waiting for ever."""
+        stalled = [
+            r
+            for r in [*self.scheduler.running, *self.scheduler.waiting]
+            if not r.can_grow and r.pending_index < 0
+        ]
+        return [self._finish(req, SampleStatus.TRUNCATED) for req in stalled]
 
     def _resolve(self) -> list[Sample]:
         """Wait for the step in flight, put its tokens in place of the placeholders, finish requests."""

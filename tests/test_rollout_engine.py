@@ -532,6 +532,27 @@ def test_sampling_params_changed_in_place_take_effect() -> None:
     assert got == greedy[0].response_ids
 
 
+def test_max_new_tokens_lowered_below_the_output_ends_the_request() -> None:
+    """A caller that lowers `max_new_tokens` in place below what running requests already produced gets them
+    back (truncated, with their tokens) instead of a generate that never returns."""
+    model = tiny_model(False, seed=1)
+    engine = Engine(model, None, config())
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True)
+    for index in range(3):
+        engine.add_request([5, 6, 7, 8, 9], params, group_id=0, index=index)
+    for _ in range(6):
+        engine.step()
+    params.max_new_tokens = 2
+    finished = []
+    for _ in range(10):
+        finished += engine.step()
+        if not engine.has_unfinished:
+            break
+    assert not engine.has_unfinished
+    assert len(finished) == 3
+    assert all(s.status == SampleStatus.TRUNCATED and len(s.response_ids) >= 2 for s in finished)
+
+
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
 def test_decode_staging_gives_the_same_samples(speculative: str) -> None:
     """Staged CPU decode (keys, values and plans carried between steps) against gathering every step, on a
