@@ -27,6 +27,8 @@ from miles.models.attention import KVWrite
 from miles.rollout.attention_flashinfer import FlashinferAttention, paged_kv_metadata
 from miles.rollout.forward_batch import ForwardBatch
 from miles.rollout.kv_pool import KVPool
+from miles.rollout.sampler_graph import SamplerGraphs, plain_draw
+from miles.rollout.sampling import SamplingTensors
 
 if TYPE_CHECKING:
     from miles.rollout.model_runner import ModelRunner
@@ -128,6 +130,9 @@ class CudaGraphRunner:
         self.piecewise_min_batch = piecewise_min_batch
         self.graphs: dict[int, _Graph] = {}
         self.pieces: dict[int, _Pieces] = {}
+        self.sampler = SamplerGraphs(runner.pool.device)
+        self.last_logits: torch.Tensor | None = None
+        """The static logits buffer of the last replay, [bucket, V]."""
 
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.batch_size <= self.max_batch
@@ -135,6 +140,16 @@ class CudaGraphRunner:
     def reset(self) -> None:
         self.graphs.clear()
         self.pieces.clear()
+        self.sampler.reset()
+        self.last_logits = None
+
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sampler graph's draw where `logits` are the last replay's and every row takes the plain draw
+        (sampler_graph.py); None otherwise (the caller samples eagerly)."""
+        full = self.last_logits
+        if full is None or logits.data_ptr() != full.data_ptr() or not plain_draw(st, logits.device):
+            return None
+        return self.sampler.sample(full, logits.shape[0], st)
 
     def _piecewise(self, bucket: int) -> bool:
         return 0 < self.piecewise_min_batch <= bucket
@@ -175,6 +190,7 @@ class CudaGraphRunner:
         for bs in sorted(self.buckets, reverse=True):  # largest first: the smaller ones reuse its memory
             if self._piecewise(bs):
                 self.pieces[bs] = self._capture_pieces(bs, mempool)
+                self.sampler.capture(self.pieces[bs].logits, mempool, self.capture_stream)
                 continue
             wrapper = backend.graph_decode_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
             attn = FlashinferAttention(pool, wrapper, self.slots[:bs])
@@ -183,6 +199,7 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
                 logits, routing = self._forward(bs, attn)
             self.graphs[bs] = _Graph(graph, wrapper, logits, routing)
+            self.sampler.capture(logits, mempool, self.capture_stream)
         torch.cuda.synchronize(device)
 
     def _capture_pieces(self, bs: int, mempool: tuple[int, int]) -> _Pieces:
@@ -257,6 +274,7 @@ class CudaGraphRunner:
             last = torch.from_numpy(np.concatenate([last.numpy(), np.ones(pad, dtype=np.int32)]))
         self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
         entry.graph.replay()
+        self.last_logits = entry.logits
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing
 
@@ -275,6 +293,7 @@ class CudaGraphRunner:
             graph.replay()
             run(q, cache, out=out)
         pieces.graphs[-1].replay()
+        self.last_logits = pieces.logits
         routing = pieces.routing[:, :real] if pieces.routing is not None else None
         return pieces.logits[:real], routing
 

@@ -856,6 +856,10 @@ class Engine:
                 for i in range(0, padded.shape[0], block)
             ]
         elif (
+            self.runner.graphs is not None and (graphed := self.runner.graphs.sample(logits, st)) is not None
+        ):
+            return graphed  # a decode graph's logits, every row a plain draw: one graph launch
+        elif (
             self.device.type == "cuda"
             and num > _SAMPLE_BLOCK_GPU
             and (st.any_greedy or not draws_from_block_masses(st, self.device))

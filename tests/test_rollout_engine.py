@@ -476,6 +476,9 @@ class _GraphsOutOfMemory:
     def reset(self) -> None:
         self.resets += 1
 
+    def sample(self, logits: object, st: object) -> None:
+        return None  # no graph replayed: the eager sampler
+
 
 def test_graph_capture_out_of_memory_falls_back_to_eager_decode(caplog: pytest.LogCaptureFixture) -> None:
     """A capture that runs out of memory costs the graphs, not the run: decode goes on eagerly, same samples."""

@@ -145,6 +145,46 @@ def test_cuda_graph_decode_matches_eager(moe: bool) -> None:
     assert_agree_until_near_tie(model, eager, engine.generate(PROMPTS, GREEDY.with_(n=3)), logprob_tol=0.05)
 
 
+@pytest.mark.parametrize("piecewise", [0, 1], ids=["whole", "pieces"])
+def test_sampler_graph_draws_what_the_eager_sampler_draws(
+    piecewise: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain draw (temperature only) replayed as a CUDA graph on the decode graph's logits gives the eager
+    sampler's tokens and logprobs bit for bit, through batch sizes that shrink as requests finish and a
+    release/resume (new logits buffers); filtered or greedy rows keep the eager sampler."""
+    from miles.rollout.cuda_graph import CudaGraphRunner
+
+    model = gpu_model(False, seed=5)
+    plain = SamplingParams(n=3, temperature=0.8, max_new_tokens=24, seed=11)
+    mixed = [plain, plain.with_(top_p=0.9), plain.with_(temperature=0.0)]
+    cfg = config(backend="flashinfer", cuda_graph=True, cuda_graph_piecewise_min_batch=piecewise)
+    drawn: list[bool] = []
+    sample = CudaGraphRunner.sample
+
+    def counted(self: CudaGraphRunner, *args: object) -> object:
+        out = sample(self, *args)  # type: ignore[arg-type]
+        drawn.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CudaGraphRunner, "sample", counted)
+    engine = Engine(model, None, cfg)
+    graphed = [engine.generate(PROMPTS, p) for p in mixed]
+    engine.release_memory()
+    engine.resume_memory()
+    graphed.append(engine.generate(PROMPTS, plain.with_(seed=12, max_new_tokens=40)))
+    assert any(drawn), "no step sampled through a graph"
+    assert engine.runner.graphs is not None and engine.runner.graphs.sampler.captured
+    monkeypatch.setattr(CudaGraphRunner, "sample", lambda self, logits, st: None)
+    eager = Engine(model, None, cfg)
+    expected = [eager.generate(PROMPTS, p) for p in mixed]
+    eager.release_memory()  # as above: the release flushes the radix cache, which changes what is computed
+    eager.resume_memory()
+    expected.append(eager.generate(PROMPTS, plain.with_(seed=12, max_new_tokens=40)))
+    for got, want in zip(graphed, expected, strict=True):
+        assert [s.response_ids for s in got] == [s.response_ids for s in want]
+        assert [s.rollout_logprobs for s in got] == [s.rollout_logprobs for s in want]
+
+
 @pytest.mark.parametrize(
     ("moe", "fused", "min_batch"),
     [(False, "auto", 1), (True, "auto", 1), (True, "auto", 16), (False, "off", 4)],
