@@ -295,8 +295,8 @@ class TorchPagedAttention:
             self.staged = device.type == "cpu" and self.staging.begin(rows, tenancy, first, suffix, kernel)
             if self.staged and self.shared is None:
                 self.staging.no_prefix()
-            if self.staged and kernel:
-                self.kernel = self._kernel_plan(suffix, len(rows))
+            if self.staged and kernel:  # None where the plan fails its checks: the flash path runs
+                self.kernel = cpu_attention.kernel.run(self._kernel_plan, suffix, len(rows))
         self.dec_slots: torch.Tensor | None = None
         if not (self.staged and self.staging.appending):  # type: ignore[union-attr]
             cols = np.minimum(first[:, None] + np.arange(width), table.max_context - 1)

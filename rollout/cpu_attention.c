@@ -78,17 +78,21 @@ static inline __attribute__((always_inline)) void score(
     }
 }
 
-/* Softmax numerators in place over s[0 .. len) (padded with -inf to the block): returns their sum. */
+/* Softmax numerators in place over s[0 .. len) (padded with -inf to the block): returns their sum, or NaN
+ * where a score is NaN or +inf. */
 static inline __attribute__((always_inline)) float exponentiate(float *restrict s, int32_t len) {
     const int32_t padded = (len + BLOCK - 1) / BLOCK * BLOCK;
     for (int32_t l = len; l < padded; l++) s[l] = -INFINITY;
+    /* The max lets a NaN in, so that a NaN or +inf score makes the row NaN, as SDPA's softmax does, instead
+     * of a finite result that hides it (exp(x - max) is masked to 0 below -87, and for NaN). */
     vec top = splat(-INFINITY);
     for (int32_t l = 0; l < padded; l += BLOCK) {
         const vec x = load(s + l);
-        top = select(x > top, x, top);
+        top = select((x > top) | (x != x), x, top);
     }
     float m = top[0];
-    for (int i = 1; i < BLOCK; i++) m = top[i] > m ? top[i] : m;
+    for (int i = 1; i < BLOCK; i++) m = top[i] > m || top[i] != top[i] ? top[i] : m;
+    if (m != m || m > 3.40282347e38f) return NAN;
     vec sum = (vec){0};
     for (int32_t l = 0; l < padded; l += BLOCK) {
         const vec e = exp_nonpositive(load(s + l) - m);
@@ -148,7 +152,8 @@ static inline __attribute__((always_inline)) void attend(
     if (plen > 0) weigh(s, stride, pv, plen, G, D, acc);
     weigh(s + plen, stride, sv, slen, G, D, acc);
     for (int g = 0; g < G; g++) {
-        const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+        /* NaN stays NaN (a poisoned row); a row of no positions gives zeros. */
+        const float inv = total[g] != total[g] ? NAN : total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
         for (int w = 0; w < W; w++) {
             const vec *sums = acc + (g * W + w) * UNROLL;
             vec sum = sums[0];

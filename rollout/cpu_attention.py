@@ -115,6 +115,22 @@ def _padded(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+def _longest(name: str, values: torch.Tensor, lowest: int = 0) -> int:
+    """The largest of `values`, which the C code reads as a contiguous int32 CPU array of values >= `lowest`."""
+    if (
+        values.dtype != torch.int32
+        or values.device.type != "cpu"
+        or not values.is_contiguous()
+        or values.dim() != 1
+    ):
+        raise ValueError(f"{name}: a contiguous 1-d int32 CPU tensor expected")
+    if not values.numel():
+        return 0
+    if int(values.min()) < lowest:
+        raise ValueError(f"{name}: values below {lowest}")
+    return int(values.max())
+
+
 @dataclass
 class DecodePlan:
     """One decode step's fixed arguments to the kernel, checked once: each row's suffix length and, where
@@ -131,13 +147,14 @@ class DecodePlan:
         self.layouts: dict[str, tuple[Any, ...]] = {}
         """The layouts checked already, by name (every layer of a step hands over the same)."""
         self.rows = self.suffix_lengths.numel()
-        self.longest_suffix = int(self.suffix_lengths.max())
+        self.longest_suffix = _longest("suffix lengths", self.suffix_lengths)
         self.longest_prefix = 0
         if self.prefix_lengths is not None:
-            assert self.row_group is not None and self.row_group.numel() == self.rows
-            self.longest_prefix = int(self.prefix_lengths.max())
-            groups = self.prefix_lengths.numel()
-            if int(self.row_group.max()) >= groups:
+            if self.row_group is None or self.row_group.numel() != self.rows:
+                raise ValueError("prefix lengths need a group for every row")
+            self.longest_prefix = _longest("prefix lengths", self.prefix_lengths)
+            _longest("row groups", self.row_group, lowest=-1)
+            if self.rows and int(self.row_group.max()) >= self.prefix_lengths.numel():
                 raise ValueError("a row's group is out of range")
 
     def _checked(
@@ -147,7 +164,16 @@ class DecodePlan:
         positions, dim]) from the views [count, heads, positions, dim] that `DecodeStaging` hands out, or an error
         where the memory does not have the layout the kernel reads."""
         keys, values = kv[0].mT, kv[1]
-        layout = (keys.shape, keys.stride(), values.shape, values.stride(), keys.dtype, values.dtype)
+        layout = (
+            keys.shape,
+            keys.stride(),
+            values.shape,
+            values.stride(),
+            keys.dtype,
+            values.dtype,
+            keys.storage_offset(),
+            keys.untyped_storage().nbytes(),
+        )
         if self.layouts.get(name) == layout and keys.device.type == values.device.type == "cpu":
             return keys, values
         for t in (keys, values):
@@ -167,6 +193,11 @@ class DecodePlan:
             raise ValueError(
                 f"{name} keys: each dimension's positions must be padded to a multiple of {BLOCK}"
             )
+        # The last key row's last block, read in whole, must lie inside the keys' memory.
+        end = keys.storage_offset() + (count - 1) * keys.stride(0) + (heads - 1) * keys.stride(1)
+        end += (dim - 1) * pitch + _padded(longest)
+        if count and end * keys.element_size() > keys.untyped_storage().nbytes():
+            raise ValueError(f"{name} keys: the padded positions past the longest length lie outside them")
         self.layouts[name] = layout
         return keys, values
 
@@ -194,7 +225,13 @@ class DecodePlan:
         rows, q_heads, dim = q.shape
         kv_heads = suffix[1].shape[1]
         q_per_kv = q_heads // kv_heads
-        if rows != self.rows or q.stride(2) != 1 or q.dtype != torch.float32 or q_heads % kv_heads:
+        if (
+            rows != self.rows
+            or q.stride(2) != 1
+            or q.dtype != torch.float32
+            or q.device.type != "cpu"
+            or q_heads % kv_heads
+        ):
             raise ValueError(f"q {tuple(q.shape)} does not fit the plan's {self.rows} float32 rows")
         skt, sv = self._checked("suffix", suffix, rows, kv_heads, dim, self.longest_suffix)
         if (prefix is None) != (self.prefix_lengths is None):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.models import fused
+from miles.rollout import sampling_triton
 from miles.rollout.sampling import SamplingTensors, draws_from_block_masses, sample
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ class _Captured:
     """[bucket] float64 input."""
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    triton: bool
+    """Whether the sampler's Triton kernel was on at capture: once it switches off, the eager sampler takes
+    the compiled path, and so must every draw (the two agree only up to rounding)."""
     copied_from: torch.Tensor | None = None
     """The step temperatures last copied in (kept per params object by the engine: copied again only when
     that object, or the number of rows, changes)."""
@@ -60,14 +64,16 @@ class SamplerGraphs:
         graph's static [bucket, V] output, with `st`'s settings; None where no graph was captured for it (the
         caller samples eagerly)."""
         captured = self.captured.get((logits.data_ptr(), logits.shape[0]))
-        if captured is None:
+        if captured is None or captured.triton != sampling_triton.kernel.on:
             return None
         if captured.copied_from is not st.temperature or captured.copied_rows != rows:
             captured.temperature[:rows].copy_(st.temperature)
             captured.copied_from, captured.copied_rows = st.temperature, rows
         captured.uniform[:rows].copy_(st.uniform)
         captured.graph.replay()
-        # A copy of the tokens: the next step reads them (overlap scheduling) after this graph ran again.
+        # A copy of the tokens: the next step reads them (overlap scheduling) after later replays. The
+        # logprobs are a view of the graph's output: the caller must read them (enqueue the kernel that does)
+        # before any other graph replays, which may reuse that memory.
         return captured.tokens[:rows].clone(), captured.logprobs[:rows]
 
     def capture(self, logits: torch.Tensor, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
@@ -96,6 +102,7 @@ class SamplerGraphs:
                 sample(logits, st)
                 sample(logits, st)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            triton = sampling_triton.kernel.on
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 tokens, logprobs = sample(logits, st)
@@ -104,4 +111,6 @@ class SamplerGraphs:
             self.captured.clear()
             log.warning("sampler CUDA graph capture failed (%s); sampling eagerly from now on", err)
             return
-        self.captured[(logits.data_ptr(), bucket)] = _Captured(graph, temperature, uniform, tokens, logprobs)
+        self.captured[(logits.data_ptr(), bucket)] = _Captured(
+            graph, temperature, uniform, tokens, logprobs, triton and sampling_triton.kernel.on
+        )

@@ -62,6 +62,19 @@ def test_kernel_matches_a_float64_softmax(q_per_kv: int, dim: int) -> None:
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
 
 
+def test_a_nan_score_gives_a_nan_row_as_sdpa_does() -> None:
+    keys = torch.randn(2, 1, 20, 16)
+    keys[0, 0, 7, 3] = float("nan")
+    values = torch.randn(2, 1, 20, 16)
+    q = torch.randn(2, 2, 16)
+    out = cpu_attention.DecodePlan(torch.tensor([20, 20], dtype=torch.int32))._attend(
+        q, None, (_transposed(keys, 32), values), 0.25
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, None], keys, values, scale=0.25)
+    assert out[0].isnan().all() and ref[0].isnan().all()
+    torch.testing.assert_close(out[1], ref[1, 0][None], atol=1e-6, rtol=1e-5)
+
+
 def test_kernel_without_prefixes() -> None:
     gen = torch.Generator().manual_seed(0)
     rows, kv_heads, q_per_kv, dim = 5, 2, 2, 16
@@ -90,6 +103,17 @@ def test_kernel_refuses_layouts_it_cannot_read() -> None:
         plan._attend(
             torch.randn(rows + 1, 4, dim), None, (_transposed(torch.randn(rows, 2, 20, dim), 32), sv), 0.25
         )
+    with pytest.raises(ValueError, match="below 0"):
+        cpu_attention.DecodePlan(torch.tensor([3, -5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous 1-d int32"):
+        cpu_attention.DecodePlan(torch.tensor([3, 99, 20, 99], dtype=torch.int32)[::2])
+    with pytest.raises(ValueError, match="contiguous 1-d int32"):
+        cpu_attention.DecodePlan(lengths.long())
+    # Keys whose rows are block-padded in their strides but whose memory ends right after the longest length.
+    tight = torch.randn(15 * 32 + 20).as_strided((1, 1, 16, 20), (512, 512, 32, 1))
+    one = cpu_attention.DecodePlan(torch.tensor([20], dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside them"):
+        one._attend(torch.randn(1, 2, dim), None, (tight.mT, torch.randn(1, 1, 20, dim)), 0.25)
     with pytest.raises(ValueError, match="group is out of range"):
         cpu_attention.DecodePlan(
             lengths, torch.tensor([5], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
