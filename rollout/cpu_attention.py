@@ -9,7 +9,8 @@ softmax, reading keys stored transposed ([dim][positions], as `DecodeStaging` ke
 scores vectorize over positions.
 
 The library is built once per source, flags and CPU into `~/.cache/miles/kernels` (`MILES_KERNEL_CACHE`
-overrides the folder, `CC` the compiler) and renamed into place, so a half-written build is never loaded.
+overrides the folder, `CC` the compiler) and renamed into place, so a half-written build is never loaded;
+where that folder cannot be written, each process builds its own in a private temporary folder.
 Where the build or a call fails (no compiler, say), the first failure switches the kernel off with one
 warning and the CPU flash-attention calls run instead; `MILES_CPU_ATTENTION_KERNEL=0` switches it off from
 the start.
@@ -82,6 +83,19 @@ def _cpu_key() -> bytes:
     return f"{platform.machine()} {flags}".encode()
 
 
+def _build(source: Path, out: Path) -> None:
+    """Compile `source` into the shared library `out`, built aside and renamed: never half-written."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        compiler = os.environ.get("CC", "cc")
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, out)
+
+
 def _load() -> Any:
     global _function
     if _function is not None:
@@ -91,19 +105,14 @@ def _load() -> Any:
     cache = Path(os.environ.get("MILES_KERNEL_CACHE", Path.home() / ".cache" / "miles" / "kernels"))
     path = cache / f"cpu_attention-{key}.so"
     if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: never half-written
-            built = Path(tmp) / path.name
-            compiler = os.environ.get("CC", "cc")
-            result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(built), str(_SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-            os.replace(built, path)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            _build(_SOURCE, path)
+        except OSError:
+            # A cache that cannot be written (a read-only home, say): build for this process in a private folder of its own,
+            # never in a shared one where another user could have put a library under the expected name.
+            path = Path(tempfile.mkdtemp(prefix="miles-kernels-")) / path.name
+            _build(_SOURCE, path)
     function = ctypes.CDLL(str(path)).cascade_decode
     function.restype = ctypes.c_int
     function.argtypes = _ARGTYPES

@@ -163,3 +163,20 @@ def test_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
         torch.testing.assert_close(
             torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-5, rtol=0
         )
+
+
+def test_an_unwritable_cache_builds_in_a_private_folder(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    blocker = Path(str(tmp_path)) / "a_file"
+    blocker.write_text("")  # the cache folder would have to be inside a file: it cannot be made
+    monkeypatch.setattr(cpu_attention, "_function", None)
+    monkeypatch.setattr(cpu_attention.kernel, "on", True)
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(blocker / "cache"))
+    plan = cpu_attention.DecodePlan(torch.tensor([1], dtype=torch.int32))
+    keys, values = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    out = plan.attend(torch.randn(1, 1, 16), None, (_transposed(keys, 16), values), 0.25)
+    assert out is not None and cpu_attention.kernel.on
+    torch.testing.assert_close(out, values[:, :, :1].expand(1, 1, 1, 16))  # one key: its value
