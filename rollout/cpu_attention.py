@@ -100,8 +100,8 @@ def _load() -> Any:
     global _function
     if _function is not None:
         return _function
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key()).hexdigest()[:16]
+    code = _SOURCE.read_bytes()
+    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_key()).hexdigest()[:16]
     cache = Path(os.environ.get("MILES_KERNEL_CACHE", Path.home() / ".cache" / "miles" / "kernels"))
     path = cache / f"cpu_attention-{key}.so"
     if not path.exists():
@@ -109,8 +109,9 @@ def _load() -> Any:
             cache.mkdir(parents=True, exist_ok=True)
             _build(_SOURCE, path)
         except OSError:
-            # A cache that cannot be written (a read-only home, say): build for this process in a private folder of its own,
-            # never in a shared one where another user could have put a library under the expected name.
+            # A cache that cannot be written (a read-only home, say): build for this process in a private
+            # folder of its own, never in a shared one where another user could have put a library under the
+            # expected name.
             path = Path(tempfile.mkdtemp(prefix="miles-kernels-")) / path.name
             _build(_SOURCE, path)
     function = ctypes.CDLL(str(path)).cascade_decode
@@ -120,7 +121,8 @@ def _load() -> Any:
     return function
 
 
-def _padded(n: int) -> int:
+def whole_blocks(n: int) -> int:
+    """`n` positions rounded up to whole blocks of `BLOCK`: what the kernel reads of a key row."""
     return -(-n // BLOCK) * BLOCK
 
 
@@ -198,13 +200,13 @@ class DecodePlan:
             raise ValueError(f"{name}: shorter than its lengths, or values not [positions][dim]")
         pitch = keys.stride(2)
         # The kernel scores whole blocks: a key row's pitch must hold the longest length's last block.
-        if pitch % BLOCK or pitch < _padded(longest) or keys.stride(1) < dim * pitch:
+        if pitch % BLOCK or pitch < whole_blocks(longest) or keys.stride(1) < dim * pitch:
             raise ValueError(
                 f"{name} keys: each dimension's positions must be padded to a multiple of {BLOCK}"
             )
         # The last key row's last block, read in whole, must lie inside the keys' memory.
         end = keys.storage_offset() + (count - 1) * keys.stride(0) + (heads - 1) * keys.stride(1)
-        end += (dim - 1) * pitch + _padded(longest)
+        end += (dim - 1) * pitch + whole_blocks(longest)
         if count and end * keys.element_size() > keys.untyped_storage().nbytes():
             raise ValueError(f"{name} keys: the padded positions past the longest length lie outside them")
         self.layouts[name] = layout

@@ -18,17 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.rollout.cpu_attention import BLOCK
+from miles.rollout.cpu_attention import whole_blocks
 from miles.rollout.kv_pool import KVPool
 
 _MIN_CAPACITY = 64
 """Positions per row allocated at least; the capacity doubles when a suffix outgrows it."""
 MAX_BYTES = 256 * 2**20
 """Above this, staging is skipped (every step gathers), so a large CPU batch costs no second KV copy."""
-
-
-def _whole_blocks(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
 
 
 class DecodeStaging:
@@ -90,7 +86,7 @@ class DecodeStaging:
         )
         self.completed = False
         if not extends:
-            capacity = self._capacity(width)
+            capacity = self._capacity_for(width)
             if self._bytes(len(rows), capacity) > MAX_BYTES:
                 self.clear()
                 return False
@@ -109,8 +105,8 @@ class DecodeStaging:
             return 0
         return self.values[0].shape[2]
 
-    def _capacity(self, width: int) -> int:
-        return _whole_blocks(max(_MIN_CAPACITY, 2 * width))
+    def _capacity_for(self, width: int) -> int:
+        return whole_blocks(max(_MIN_CAPACITY, 2 * width))
 
     def _bytes(self, rows: int, capacity: int) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -136,7 +132,7 @@ class DecodeStaging:
                 key_at[rows, :, cols] = new_k
                 values[rows, :, cols] = new_v
         else:
-            shape = (len(self.lengths), self.heads, self._capacity(width), self.dim)
+            shape = (len(self.lengths), self.heads, self._capacity_for(width), self.dim)
             # Zeros, not empty: positions past a shorter row's suffix are masked, and 0 * NaN would not be.
             values = torch.zeros(shape, dtype=self.dtype, device=self.pool.device)
             keys = self._new_keys(shape)
@@ -183,7 +179,7 @@ class DecodeStaging:
         if self._prefix_fresh:
             k, v = self.pool.gather(layer, slots)  # [groups, P, heads, dim]
             if self.transposed_keys:
-                keys = self._new_keys((len(slots), self.heads, _whole_blocks(width), self.dim))
+                keys = self._new_keys((len(slots), self.heads, whole_blocks(width), self.dim))
                 self._key_view(keys, width).copy_(k.transpose(1, 2))
             else:
                 keys = k.transpose(1, 2).contiguous()
