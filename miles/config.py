@@ -100,6 +100,10 @@ class RolloutConfig:
     auto (CUDA with bf16/fp16) | on | off."""
     flashinfer_kernel: str = "fa2"
     """flashinfer's attention kernel family: fa2 | fa3 (Hopper; compiles its own kernels on first use)."""
+    flashinfer_decode: str = "auto"
+    """flashinfer's decode attention: auto | tensor-cores | cuda-cores. auto takes tensor cores from 4 query
+    heads per KV head up (Qwen3-4B/8B/30B-A3B) and flashinfer's CUDA-core decode kernel below (Qwen3-0.6B and
+    1.7B have 2), where it reads the KV faster."""
     overlap_schedule: str = "auto"
     """Plan step t+1 while the device runs step t: auto (on for CUDA) | on | off. Off in deterministic mode."""
     deterministic: bool = False

@@ -2,8 +2,10 @@
 
 One wrapper is planned per step (page table, lengths) and shared by every layer of the forward. Eager steps
 (prefill chunks mixed with decodes) use `BatchPrefillWithPagedKVCacheWrapper` with a causal mask aligned to
-each sequence's end; CUDA-graph decode uses `BatchDecodeWithPagedKVCacheWrapper` (tensor-core path, so
-both run flashinfer's fa2 prefill kernel and share one JIT build), re-planned before each replay.
+each sequence's end; CUDA-graph decode uses `BatchDecodeWithPagedKVCacheWrapper`, re-planned before each
+replay. Its tensor-core path runs the fa2 prefill kernel (one JIT build with prefill); its CUDA-core path is
+flashinfer's own decode kernel, which reads the KV faster where few query heads share a KV head
+(`decode_uses_tensor_cores`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,33 @@ from miles.rollout.kv_pool import KVPool, RequestTable
 
 _WORKSPACE_BYTES = 1024 * 1024 * 1024
 """flashinfer's split-KV scratch; graph decode at batch 1024 (32 heads x 128) needs ~335 MB."""
+
+DECODE_KERNELS = ("auto", "tensor-cores", "cuda-cores")
+
+_TENSOR_CORES_FROM_GROUP = 4
+"""Query heads per KV head from which `auto` decodes on tensor cores. Below it the tensor-core kernel's
+16-row MMA tiles are mostly padding, and the CUDA-core kernel read the KV up to 1.7x faster
+(docs/benchmarks.md, "Decode attention kernels alone")."""
+
+
+def check_decode_kernel(choice: str) -> None:
+    if choice not in DECODE_KERNELS:
+        raise ValueError(
+            f"rollout.flashinfer_decode must be one of {', '.join(DECODE_KERNELS)}, got {choice!r}"
+        )
+
+
+def decode_uses_tensor_cores(choice: str, kernel: str, q_per_kv: int) -> bool:
+    """Whether decode attention runs on flashinfer's tensor-core path (`rollout.flashinfer_decode`)."""
+    check_decode_kernel(choice)
+    if choice == "cuda-cores" and kernel == "fa3":
+        raise ValueError(
+            "rollout.flashinfer_decode=cuda-cores runs flashinfer's decode kernel, which has no fa3 form: "
+            "use rollout.flashinfer_kernel=fa2 with it, or flashinfer_decode=auto"
+        )
+    if choice == "auto":
+        return kernel == "fa3" or q_per_kv >= _TENSOR_CORES_FROM_GROUP
+    return choice == "tensor-cores"
 
 
 def paged_kv_metadata(
@@ -64,13 +93,21 @@ class FlashinferAttention:
 
 class FlashinferBackend:
     def __init__(
-        self, args: ModelArgs, pool: KVPool, table: RequestTable, dtype: torch.dtype, kernel: str = "fa2"
+        self,
+        args: ModelArgs,
+        pool: KVPool,
+        table: RequestTable,
+        dtype: torch.dtype,
+        kernel: str = "fa2",
+        decode: str = "auto",
     ) -> None:
         import flashinfer
 
         if kernel not in ("fa2", "fa3"):
             raise ValueError(f"rollout.flashinfer_kernel must be fa2 or fa3, got {kernel!r}")
         self.kernel = kernel
+        q_per_kv = args.num_attention_heads // args.num_key_value_heads
+        self.decode_tensor_cores = decode_uses_tensor_cores(decode, kernel, q_per_kv)
 
         self.flashinfer = flashinfer
         self.pool, self.table, self.dtype = pool, table, dtype
@@ -127,7 +164,7 @@ class FlashinferBackend:
         """A decode wrapper for attention run outside a graph (piecewise graphs): its plan may split the KV
         or not, as the real batch needs."""
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True, backend=self.kernel
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend=self.kernel
         )
 
     def graph_decode_wrapper(
@@ -137,7 +174,7 @@ class FlashinferBackend:
             self.workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=True,
+            use_tensor_cores=self.decode_tensor_cores,
             backend=self.kernel,
             paged_kv_indptr_buffer=indptr_buf[: batch_size + 1],
             paged_kv_indices_buffer=indices_buf,

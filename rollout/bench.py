@@ -397,6 +397,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="decode batches of at least this size replay piecewise graphs with eager attention (0: never)",
     )
     p.add_argument("--flashinfer-kernel", default="fa2", choices=["fa2", "fa3"])
+    p.add_argument(
+        "--flashinfer-decode",
+        default="auto",
+        choices=["auto", "tensor-cores", "cuda-cores"],
+        help="decode attention on tensor cores or CUDA cores (auto: tensor cores from 4 q heads per KV head)",
+    )
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--speculative", default="off", choices=["off", "ngram"])
     p.add_argument("--spec-draft-tokens", type=int, default=4)
@@ -495,6 +501,7 @@ def main(argv: list[str]) -> int:
         deterministic=a.deterministic,
         overlap_schedule=a.overlap,
         flashinfer_kernel=a.flashinfer_kernel,
+        flashinfer_decode=a.flashinfer_decode,
         fused_kernels=a.fused_kernels,
         speculative=a.speculative,
         spec_draft_tokens=a.spec_draft_tokens,
@@ -575,6 +582,11 @@ def main(argv: list[str]) -> int:
         "fused_kernels": engine.runner.fused_kernels,
         "page_size": a.page_size,
         "flashinfer_kernel": a.flashinfer_kernel if engine.backend == "flashinfer" else None,
+        "flashinfer_decode": (
+            ("tensor-cores" if engine.runner.flashinfer.decode_tensor_cores else "cuda-cores")
+            if engine.runner.flashinfer is not None
+            else None
+        ),
         "moe_configs": a.moe_configs,
         "wall_s": wall,
         "wall_s_runs": walls,

@@ -1,8 +1,9 @@
 """`miles bench attention`: the paged decode attention kernels alone, against the KV bytes they must read.
 
 A decode step of B sequences with C cached tokens each reads 2 · C · B · Hkv · D elements per layer; this
-times one layer's `run` (CUDA events, median) for each flashinfer variant the engine can use and reports
-the read bandwidth next to the device's measured copy bandwidth. Random KV in a pool of the engine's layout
+times one layer's `run` (median of CUDA-graph replays; `--timing eager` times the Python calls instead) for
+each flashinfer variant the engine can use and reports the read bandwidth next to the device's measured copy
+bandwidth. Random KV in a pool of the engine's layout
 with scattered slots (page size 1 takes every other slot, so no sequence is contiguous).
 """
 
@@ -27,6 +28,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # q as the engine passes it: a view of the [B, Hq + Hkv, D] q/k buffer (row stride (Hq + Hkv) * D).
     "fa2-graph-strided-q": dict(use_tensor_cores=True, backend="fa2", graph=True, strided_q=True),
     "fa2-cuda-core": dict(use_tensor_cores=False),
+    # flashinfer's CUDA-core decode kernel as the engine's graph decode plans it (`rollout.flashinfer_decode`).
+    "cuda-core-graph": dict(use_tensor_cores=False, graph=True),
     "fa3-tensor-core": dict(use_tensor_cores=True, backend="fa3"),
     # TensorRT-LLM's XQA decode kernel as flashinfer ships it (page size 16, 32, 64 or 128; no plan).
     "xqa": dict(xqa=True),
@@ -41,6 +44,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument(
+        "--timing",
+        choices=("graph", "eager"),
+        default="graph",
+        help="graph: calls captured in a CUDA graph, so the time is the kernels' alone; eager: CUDA events "
+        "around each Python call, which includes its launch overhead (a small batch's kernels take less time "
+        "than flashinfer's Python wrapper)",
+    )
     p.add_argument(
         "--fixed-split-size",
         type=int,
@@ -103,6 +114,23 @@ def flashinfer_decode_run(
         **plan_options,
     )
     return lambda: wrapper.run(q, (k, v))
+
+
+_CALLS_PER_GRAPH = 10
+
+
+def graph_cuda_seconds(run: Callable[[], object], iters: int) -> float:
+    """Device time of one `run`: the median replay of a CUDA graph of `_CALLS_PER_GRAPH` calls, divided."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # allocations for the capture's outputs happen outside it
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(_CALLS_PER_GRAPH):
+            run()
+    return median_cuda_seconds(graph.replay, iters, warmup=2) / _CALLS_PER_GRAPH
 
 
 def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) -> dict[str, Any]:
@@ -177,7 +205,7 @@ def time_variant(name: str, a: argparse.Namespace, hq: int, hkv: int, d: int) ->
         ref.append(torch.einsum("kgt,tkd->kgd", scores.softmax(-1), vb).reshape(hq, d))
     ref_t = torch.stack(ref)
     rel_err = float((out[: len(ref)].float() - ref_t).norm() / ref_t.norm())
-    seconds = median_cuda_seconds(run, a.iters)
+    seconds = graph_cuda_seconds(run, a.iters) if a.timing == "graph" else median_cuda_seconds(run, a.iters)
     kv_bytes = 2 * a.batch * a.context * hkv * d * 2
     return {"variant": name, "seconds": seconds, "kv_bytes_per_s": kv_bytes / seconds, "rel_err": rel_err}
 
@@ -203,6 +231,7 @@ def main(argv: list[str]) -> int:
         "page_size": a.page_size,
         "fixed_split_size": a.fixed_split_size,
         "layout": a.layout,
+        "timing": a.timing,
         "heads": [hq, hkv, d],
         "copy_bandwidth_bytes_per_s": bandwidth,
         "results": results,

@@ -21,6 +21,7 @@ from miles.config import RolloutConfig
 from miles.models import fused
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
+from miles.rollout.attention_flashinfer import check_decode_kernel
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
@@ -165,6 +166,7 @@ class Engine:
         self.det_chunk = _DET_CHUNK_GPU if on_gpu else _DET_CHUNK_CPU
         self._groups = self.backend == "torch" and not on_gpu
         """Whether batches carry their requests' shared-prefix groups (`ForwardBatch.prefix_groups`)."""
+        check_decode_kernel(cfg.flashinfer_decode)  # on CPU too: a typo fails on every machine
         graph_batch = min(cfg.max_running_requests, 1024) if cfg.cuda_graph and on_gpu else 0
         self.runner = ModelRunner(
             model,
@@ -178,6 +180,7 @@ class Engine:
             self._use_fused_kernels(cfg),
             cfg.cuda_graph_piecewise_min_batch,
             cfg.record_routing,
+            cfg.flashinfer_decode,
         )
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -78,6 +78,7 @@ class ModelRunner:
         fused_kernels: bool = False,
         piecewise_min_batch: int = 0,
         record_routing: bool = False,
+        flashinfer_decode: str = "auto",
     ) -> None:
         self.model, self.pool, self.table = model, pool, table
         self.backend = backend
@@ -89,7 +90,9 @@ class ModelRunner:
         if backend == "flashinfer":
             from miles.rollout.attention_flashinfer import FlashinferBackend
 
-            self.flashinfer = FlashinferBackend(model.args, pool, table, model.dtype, flashinfer_kernel)
+            self.flashinfer = FlashinferBackend(
+                model.args, pool, table, model.dtype, flashinfer_kernel, flashinfer_decode
+            )
         # CPU decode steps carry their gathered keys and values over to the next step (decode_staging.py).
         cpu_torch = backend == "torch" and pool.device.type == "cpu" and not deterministic
         self.staging = DecodeStaging(pool) if cpu_torch else None

@@ -262,3 +262,19 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend("flashinfer", cpu, bf16, 128)
     with pytest.raises(ValueError, match="must be auto, torch or flashinfer"):
         resolve_backend("triton", cuda, bf16, 128)
+
+
+def test_decode_kernel_choice() -> None:
+    """`rollout.flashinfer_decode=auto` decodes on tensor cores from 4 query heads per KV head (and always with
+    fa3), on CUDA cores below; a bad value fails when the engine is built, on CPU too."""
+    from miles.rollout.attention_flashinfer import decode_uses_tensor_cores
+
+    assert decode_uses_tensor_cores("auto", "fa2", 4) and decode_uses_tensor_cores("auto", "fa2", 8)
+    assert not decode_uses_tensor_cores("auto", "fa2", 2) and not decode_uses_tensor_cores("auto", "fa2", 1)
+    assert decode_uses_tensor_cores("auto", "fa3", 2)
+    assert decode_uses_tensor_cores("tensor-cores", "fa2", 1)
+    assert not decode_uses_tensor_cores("cuda-cores", "fa2", 8)
+    with pytest.raises(ValueError, match="no fa3 form: use rollout.flashinfer_kernel=fa2"):
+        decode_uses_tensor_cores("cuda-cores", "fa3", 2)
+    with pytest.raises(ValueError, match="flashinfer_decode must be one of auto, tensor-cores, cuda-cores"):
+        Engine(tiny_model(False), None, RolloutConfig(flashinfer_decode="tensor_cores"))

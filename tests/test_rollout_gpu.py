@@ -43,7 +43,7 @@ NEAR_TIE = 0.25
 legitimately differ."""
 
 
-def gpu_model(moe: bool, seed: int = 0) -> CausalLM:
+def gpu_model(moe: bool, seed: int = 0, kv_heads: int = 2) -> CausalLM:
     """The rollout tests' tiny model at flashinfer-friendly sizes (head_dim 128), in bf16 on the GPU."""
     sizes: dict[str, object] = dict(
         vocab_size=512,
@@ -51,7 +51,7 @@ def gpu_model(moe: bool, seed: int = 0) -> CausalLM:
         intermediate_size=512,
         num_hidden_layers=3,
         num_attention_heads=8,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=128,
         max_position_embeddings=1024,
     )
@@ -143,6 +143,35 @@ def test_cuda_graph_decode_matches_eager(moe: bool) -> None:
     engine.release_memory()
     engine.resume_memory()
     assert_agree_until_near_tie(model, eager, engine.generate(PROMPTS, GREEDY.with_(n=3)), logprob_tol=0.05)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "decode", "piecewise", "tensor_cores"),
+    [(4, "auto", 0, False), (4, "auto", 1, False), (2, "cuda-cores", 0, False), (2, "auto", 1, True)],
+    ids=["group2-whole", "group2-pieces", "group4-cuda-cores", "group4-auto"],
+)
+def test_decode_kernels_match_the_torch_backend(
+    kv_heads: int, decode: str, piecewise: int, tensor_cores: bool
+) -> None:
+    """Graph decode on flashinfer's CUDA-core kernel (what `auto` picks below 4 query heads per KV head) and
+    on its tensor-core kernel agrees with the torch backend, in whole graphs and in pieces, with page size 16."""
+    model = gpu_model(False, seed=6, kv_heads=kv_heads)
+    params = GREEDY.with_(n=2)
+    torch_out = Engine(model, None, config(backend="torch", page_size=16)).generate(PROMPTS, params)
+    cfg = config(
+        backend="flashinfer",
+        cuda_graph=True,
+        cuda_graph_piecewise_min_batch=piecewise,
+        flashinfer_decode=decode,
+        page_size=16,
+    )
+    engine = Engine(model, None, cfg)
+    assert engine.runner.flashinfer is not None
+    assert engine.runner.flashinfer.decode_tensor_cores is tensor_cores
+    out = engine.generate(PROMPTS, params)
+    graphs = engine.runner.graphs
+    assert graphs is not None and (graphs.pieces if piecewise else graphs.graphs), "no graph replayed"
+    assert_agree_until_near_tie(model, torch_out, out, logprob_tol=0.25)
 
 
 @pytest.mark.parametrize("piecewise", [0, 1], ids=["whole", "pieces"])
@@ -400,8 +429,12 @@ def test_bench_attention_variants_agree_with_float32(
     from miles.rollout import bench_attention
 
     args = ["--model", "qwen3-8b", "--batch", "4", "--context", "40", "--iters", "2", "--layout", layout]
-    variants = "fa2-graph-strided-q,fa2-tensor-core"
-    assert bench_attention.main([*args, "--page-size", str(page), "--variants", variants]) == 0
+    variants = "fa2-graph-strided-q,fa2-tensor-core,cuda-core-graph"
+    timing = "eager" if page == 1 else "graph"
+    assert (
+        bench_attention.main([*args, "--page-size", str(page), "--variants", variants, "--timing", timing])
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.splitlines()[0])
     assert [r["variant"] for r in report["results"]] == variants.split(",")
     for r in report["results"]:
