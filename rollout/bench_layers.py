@@ -31,7 +31,9 @@ from miles.rollout.bench import decode_weight_bytes, measure_copy_bandwidth, med
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles bench layers", description=__doc__)
-    p.add_argument("--model", default="qwen3-8b", help="a dense preset (qwen3-0.6b, qwen3-8b)")
+    p.add_argument(
+        "--model", default="qwen3-8b", help="a dense preset (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b)"
+    )
     p.add_argument("--batch", type=int, default=524, help="decode batch (the 8B bench's average: 524)")
     p.add_argument("--context", type=int, default=749, help="cached tokens per sequence (8B bench: 749)")
     p.add_argument("--green-sms", default="", help="comma-separated SM counts for attention, e.g. 48,64")

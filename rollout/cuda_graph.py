@@ -13,6 +13,12 @@ only. In graph mode flashinfer's scheduler must fix its split of the KV ahead of
 and always runs a merge kernel; planned eagerly, it splits only what a batch too small to fill the GPU
 needs. The pieces cost two launches per layer of host time, which the long steps of a large batch hide
 behind the GPU (overlap scheduling).
+
+With speculative decoding, verify steps of up to `VERIFY_MAX_BATCH` requests are captured too: every
+request feeds its last token and exactly `spec_draft_tokens` drafts (the engine pads shorter drafts), so a
+step is `bucket x verify_len` rows with flashinfer's decode wrapper planned for `q_len_per_req =
+verify_len` (causal within each request's rows; tensor-core path, the only one that takes several query
+rows per request). Padding requests hold `verify_len` tokens on page 0. Their rows sample eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from miles.models.attention import KVWrite
@@ -50,6 +55,11 @@ _BUCKETS = [
     *range(576, 1025, 64),
 ]
 """Graph batch sizes: fine steps keep padding (wasted rows) under ~12%."""
+
+VERIFY_MAX_BATCH = 64
+"""Largest batch whose verify steps replay a graph. Speculation pays where a decode step is bound by reading
+the weights or by launches, which is small batches; the engine drafts nothing for larger ones, whose
+verify steps would run eagerly (~25 ms of host work per step for a 28-layer model on the H200's host)."""
 
 
 @dataclass
@@ -122,7 +132,9 @@ class _SplitAtAttention:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch: int, piecewise_min_batch: int = 0) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch: int, piecewise_min_batch: int = 0, verify_len: int = 0
+    ) -> None:
         # Graph padding rows may write NaN to page 0, which only the flashinfer kernels never read (kv_pool.py).
         assert runner.backend == "flashinfer", "CUDA-graph decode runs on the flashinfer backend only"
         self.runner, self.max_batch = runner, max_batch
@@ -130,16 +142,33 @@ class CudaGraphRunner:
         self.piecewise_min_batch = piecewise_min_batch
         self.graphs: dict[int, _Graph] = {}
         self.pieces: dict[int, _Pieces] = {}
+        # flashinfer takes several query rows per request in a decode plan on its fa2 kernels only.
+        fa2 = runner.flashinfer is not None and runner.flashinfer.kernel == "fa2"
+        self.verify_len = verify_len if verify_len > 1 and fa2 else 0
+        """Rows per request of a verify step (1 + draft tokens); 0 without speculative decoding (or on fa3,
+        where verify steps run eagerly)."""
+        self.verify_buckets = [b for b in self.buckets if b <= VERIFY_MAX_BATCH] if self.verify_len else []
+        self.verify: dict[int, _Graph] = {}
         self.sampler = SamplerGraphs(runner.pool.device)
         self.last_logits: torch.Tensor | None = None
         """The static logits buffer of the last replay, [bucket, V]."""
 
+    @property
+    def verify_max_batch(self) -> int:
+        """Largest batch whose verify steps replay a graph (0: none do)."""
+        return self.verify_buckets[-1] if self.verify_buckets else 0
+
     def fits(self, batch: ForwardBatch) -> bool:
-        return batch.batch_size <= self.max_batch
+        """Whether a graph replays `batch`: a decode step within the buckets, or a verify step of
+        `verify_len` rows per request within the verify buckets."""
+        if batch.verify_len:
+            return batch.verify_len == self.verify_len and batch.batch_size <= self.verify_max_batch
+        return batch.is_decode and batch.batch_size <= self.max_batch
 
     def reset(self) -> None:
         self.graphs.clear()
         self.pieces.clear()
+        self.verify.clear()
         self.sampler.reset()
         self.last_logits = None
 
@@ -197,10 +226,29 @@ class CudaGraphRunner:
             self._warm_up(bs, attn)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
-                logits, routing = self._forward(bs, attn)
+                logits, routing = self._forward(attn, self.ids[:bs], self.positions[:bs])
             self.graphs[bs] = _Graph(graph, wrapper, logits, routing)
             self.sampler.capture(logits, mempool, self.capture_stream)
+        if self.verify_buckets:
+            self._capture_verify(mempool)
         torch.cuda.synchronize(device)
+
+    def _capture_verify(self, mempool: tuple[int, int]) -> None:
+        backend, pool = self.runner.flashinfer, self.runner.pool
+        assert backend is not None
+        rows = self.verify_max_batch * self.verify_len
+        self.v_ids = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        self.v_positions = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        self.v_slots = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        for bs in sorted(self.verify_buckets, reverse=True):
+            n = bs * self.verify_len
+            wrapper = backend.graph_verify_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
+            attn = FlashinferAttention(pool, wrapper, self.v_slots[:n])
+            self._warm_up(bs, attn, self.verify_len)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
+                logits, routing = self._forward(attn, self.v_ids[:n], self.v_positions[:n])
+            self.verify[bs] = _Graph(graph, wrapper, logits, routing)
 
     def _capture_pieces(self, bs: int, mempool: tuple[int, int]) -> _Pieces:
         pool, model = self.runner.pool, self.runner.model
@@ -212,7 +260,7 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             split.begin()
             try:
-                logits, routing = self._forward(bs, split)
+                logits, routing = self._forward(split, self.ids[:bs], self.positions[:bs])
                 split.end()  # the last piece: from the last attention to the logits
             except BaseException:
                 if torch.cuda.is_current_stream_capturing():  # leave the stream usable, keep the first error
@@ -228,36 +276,37 @@ class CudaGraphRunner:
         return _Pieces(split.graphs, split.query, caches, logits, routing)
 
     def _forward(
-        self, bs: int, attn: FlashinferAttention | _SplitAtAttention
+        self, attn: FlashinferAttention | _SplitAtAttention, ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         runner = self.runner
         trace = runner.new_trace()
         if trace is not None:
             trace.valid_rows = self.valid_rows
-        out = runner.model.forward_packed(self.ids[:bs], self.positions[:bs], attn, trace)
+        out = runner.model.forward_packed(ids, positions, attn, trace)
         return runner.model.compute_logits(out.hidden), out.routing
 
-    def _warm_up(self, bs: int, attn: FlashinferAttention) -> None:
+    def _warm_up(self, bs: int, attn: FlashinferAttention, q_len: int = 1) -> None:
         """Two eager forwards on a side stream (compiles, autotunes, allocates) before a capture, attention
-        planned over bs one-token rows on page 0."""
-        device = self.runner.pool.device
-        self.runner.flashinfer.plan(  # type: ignore[union-attr]
-            attn.wrapper,
-            torch.arange(bs + 1, dtype=torch.int32),
-            torch.zeros(bs, dtype=torch.int32, device=device),
-            torch.ones(bs, dtype=torch.int32),
-        )
-        self.valid_rows.fill_(bs)
+        planned over bs requests of q_len new tokens, each holding q_len tokens on page 0."""
+        device, page = self.runner.pool.device, self.runner.pool.page_size
+        indptr, indices, last = _padding_requests(torch.zeros(1, dtype=torch.int32), bs, q_len, page, device)
+        extra = {"q_len_per_req": q_len} if q_len > 1 else {}
+        self.runner.flashinfer.plan(attn.wrapper, indptr, indices, last, **extra)  # type: ignore[union-attr]
+        rows = bs * q_len
+        self.valid_rows.fill_(rows)
+        ids, positions = (self.ids, self.positions) if q_len == 1 else (self.v_ids, self.v_positions)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._forward(bs, attn)
-            self._forward(bs, attn)
+            self._forward(attn, ids[:rows], positions[:rows])
+            self._forward(attn, ids[:rows], positions[:rows])
         torch.cuda.current_stream(device).wait_stream(side)
 
     def replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.graphs and not self.pieces:
             self.capture()
+        if batch.verify_len:
+            return self._replay_verify(batch)
         real = batch.batch_size
         bs = self._bucket(real)
         self._fill_inputs(batch, bs)
@@ -268,15 +317,42 @@ class CudaGraphRunner:
             self.runner.table, batch.rows, batch.kv_lens, self.runner.pool.page_size
         )
         if bs > real:  # padding rows: one page each, page 0, holding one token
-            pad = bs - real
-            indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
-            indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32, device=indices.device)])
-            last = torch.from_numpy(np.concatenate([last.numpy(), np.ones(pad, dtype=np.int32)]))
+            page = self.runner.pool.page_size
+            indptr, indices, last = _padding_requests(
+                indptr, bs - real, 1, page, indices.device, indices, last
+            )
         self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
         entry.graph.replay()
         self.last_logits = entry.logits
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing
+
+    def _replay_verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        length, real = self.verify_len, batch.batch_size
+        bs = next(b for b in self.verify_buckets if b >= real)
+        entry = self.verify[bs]
+        rows, n = real * length, bs * length
+        self.v_ids[:rows].copy_(batch.input_ids)
+        self.v_positions[:rows].copy_(batch.positions)
+        self.v_slots[:rows].copy_(batch.out_slots)
+        self.valid_rows.fill_(rows)
+        if n > rows:  # padding requests: position 0, their keys and values written to slot 0 (page 0)
+            self.v_ids[rows:n].zero_()
+            self.v_positions[rows:n].zero_()
+            self.v_slots[rows:n].zero_()
+        runner = self.runner
+        indptr, indices, last = paged_kv_metadata(
+            runner.table, batch.rows, batch.kv_lens, runner.pool.page_size
+        )
+        if bs > real:
+            indptr, indices, last = _padding_requests(
+                indptr, bs - real, length, runner.pool.page_size, indices.device, indices, last
+            )
+        runner.flashinfer.plan(entry.wrapper, indptr, indices, last, q_len_per_req=length)  # type: ignore[union-attr]
+        entry.graph.replay()
+        self.last_logits = None  # the sampler graphs are captured on the decode graphs' logits only
+        routing = entry.routing[:, :rows] if entry.routing is not None else None
+        return entry.logits[:rows], routing
 
     def _replay_pieces(
         self, batch: ForwardBatch, pieces: _Pieces
@@ -307,3 +383,25 @@ class CudaGraphRunner:
             self.ids[real:bs].zero_()
             self.positions[real:bs].zero_()
             self.slots[real:bs].zero_()
+
+
+def _padding_requests(
+    indptr: torch.Tensor,
+    count: int,
+    tokens: int,
+    page_size: int,
+    device: torch.device,
+    indices: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The page-table metadata (host indptr, device indices, host last-page lengths) with `count` requests
+    appended that hold `tokens` tokens each on page 0, which no real request reads."""
+    pages = -(-tokens // page_size)
+    tail = indptr[-1] + pages * torch.arange(1, count + 1, dtype=torch.int32)
+    pad_last = torch.full((count,), tokens - (pages - 1) * page_size, dtype=torch.int32)
+    pad_indices = torch.zeros(count * pages, dtype=torch.int32, device=device)
+    return (
+        torch.cat([indptr, tail]),
+        pad_indices if indices is None else torch.cat([indices, pad_indices]),
+        pad_last if last is None else torch.cat([last, pad_last]),
+    )

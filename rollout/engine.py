@@ -181,6 +181,8 @@ class Engine:
             cfg.cuda_graph_piecewise_min_batch,
             cfg.record_routing,
             cfg.flashinfer_decode,
+            # Rows per request of a verify step, for its CUDA graphs (drafts padded to spec_draft_tokens).
+            1 + cfg.spec_draft_tokens if cfg.speculative == "ngram" and not cfg.deterministic else 0,
         )
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -423,8 +425,33 @@ class Engine:
             self._row_seeds = None  # do not keep finished requests alive
         return finished
 
+    def _verify_batch_limit(self) -> int:
+        """Largest batch whose verify steps replay a CUDA graph (cuda_graph.py); 0 where verify steps run
+        eagerly at any size (CPU, no graphs)."""
+        graphs = self.runner.graphs
+        return graphs.verify_max_batch if graphs is not None else 0
+
     def _propose_drafts(self) -> None:
         cfg = self.cfg
+        graph_limit = self._verify_batch_limit()
+        if graph_limit:
+            # Graph verify (cuda_graph.py): a step drafts exactly spec_draft_tokens for every running request,
+            # padded with filler tokens where the n-grams propose fewer (any draft is exact: a wrong one is
+            # only rejected), or drafts nothing; a step that could not replay a verify graph (mixed with
+            # prefills, too large, a request too near its end for a full draft) would run eagerly, which costs
+            # far more than speculation saves.
+            running, k = self.scheduler.running, cfg.spec_draft_tokens
+            for req in running:
+                req.draft = []
+            if self.scheduler.waiting or not running or len(running) > graph_limit:
+                return
+            room = self.max_context
+            if not all(
+                r.is_decoding and r.output_ids and min(r.remaining_tokens - 1, room - r.seq_len) >= k
+                for r in running
+            ):
+                return
+        proposed = False
         for req in self.scheduler.running:
             req.draft = []
             # Not before the first output token: the chunk that ends the prompt is a prefill (it goes into
@@ -441,6 +468,12 @@ class Engine:
                 index.extend(req.prompt_ids)
             index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
             req.draft = index.propose(k)
+            proposed = proposed or bool(req.draft)
+            if graph_limit:
+                req.draft += [(req.draft or req.output_ids)[-1]] * (k - len(req.draft))
+        if graph_limit and not proposed:  # filler tokens alone: a verify step would likely keep one token
+            for req in self.scheduler.running:
+                req.draft = []
 
     def _drain(self) -> None:
         """Read the step still in flight; samples it finishes are returned by the next `step()` too."""
@@ -766,6 +799,7 @@ class Engine:
         reqs = [c.req for c in chunks]
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=count)
         every_token_samples = plain_decode or all(c.length == 1 and c.samples for c in chunks)
+        verify_len = 0
         if every_token_samples:  # decode-shaped: one token each, all sample
             # Each feeds its sequence's last token.
             ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
@@ -782,6 +816,11 @@ class Engine:
             lens = np.fromiter((c.length for c in chunks), dtype=np.int64, count=count)
             positions = concat_ranges(starts, lens)
             sample_index = host_to_device(torch.tensor(rows_with_logits, dtype=torch.long), dev)
+            first = chunks[0].length
+            if first > 1 and all(
+                c.draft and c.samples and c.length == first == c.sample_rows for c in chunks
+            ):
+                verify_len = first
         rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=count)
         out_slots = self.kv.alloc_extend(rows, starts, lens)
         input_ids = host_to_device(np.array(ids, dtype=np.int64), dev)  # (torch.tensor of a list is slower)
@@ -811,6 +850,7 @@ class Engine:
             prefix_groups=[id(r.node) if r.node is not None else -1 for r in reqs] if self._groups else None,
             prefix_lens=[r.prefix_len for r in reqs] if self._groups else None,
             every_token_samples=every_token_samples,
+            verify_len=verify_len,
         )
 
     def _sample(

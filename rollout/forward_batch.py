@@ -46,6 +46,10 @@ class ForwardBatch:
     """[B] length of that shared (radix-cached) prefix."""
     every_token_samples: bool = False
     """`sample_index` is all N tokens in order (a plain decode step), so the logits need no row gather."""
+    verify_len: int = 0
+    """A verify step (speculative decoding) in which every sequence feeds its last token and the same number
+    of drafts, and every row samples: those rows per sequence (sample_index is then all N tokens in order);
+    0 otherwise."""
 
     @property
     def num_tokens(self) -> int:

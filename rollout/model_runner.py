@@ -79,6 +79,7 @@ class ModelRunner:
         piecewise_min_batch: int = 0,
         record_routing: bool = False,
         flashinfer_decode: str = "auto",
+        verify_len: int = 0,
     ) -> None:
         self.model, self.pool, self.table = model, pool, table
         self.backend = backend
@@ -104,7 +105,7 @@ class ModelRunner:
         if cuda_graph_max_batch > 0 and self.flashinfer is not None and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self, cuda_graph_max_batch, piecewise_min_batch)
+            self.graphs = CudaGraphRunner(self, cuda_graph_max_batch, piecewise_min_batch, verify_len)
 
     def context(self, batch: ForwardBatch):  # noqa: ANN201 - an AttentionContext
         if self.flashinfer is not None:
@@ -125,7 +126,7 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.deterministic:
             return self._forward_deterministic(batch)
-        if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
+        if self.graphs is not None and self.graphs.fits(batch):
             try:
                 return self.graphs.replay(batch)
             except torch.cuda.OutOfMemoryError as err:

@@ -144,7 +144,13 @@ def test_tiny_presets_are_a_few_hundred_thousand_parameters() -> None:
 
 
 # Published sizes (model cards): total and non-embedding parameters.
-PUBLISHED = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9), "qwen3-30b-a3b": (30.5e9, 29.9e9)}
+PUBLISHED = {
+    "qwen3-0.6b": (0.6e9, 0.44e9),
+    "qwen3-1.7b": (1.7e9, 1.4e9),
+    "qwen3-4b": (4.0e9, 3.6e9),
+    "qwen3-8b": (8.2e9, 6.95e9),
+    "qwen3-30b-a3b": (30.5e9, 29.9e9),
+}
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "tiny"])
@@ -172,6 +178,6 @@ def test_real_presets_match_transformers_and_model_cards(preset: str) -> None:
             1_000_000.0,
             40960,
         )
-        assert args.tie_word_embeddings == (preset == "qwen3-0.6b")
+        assert args.tie_word_embeddings == (preset in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"))
         assert args.eos_token_id == 151645
     assert set(REAL) == set(PRESETS) - {"tiny"}

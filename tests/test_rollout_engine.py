@@ -398,6 +398,39 @@ def test_speculative_decoding_gives_the_same_samples() -> None:
     assert metrics["off"]["rollout/spec_draft_tokens"] == 0 and all(not s.spec_stats for s in off)
 
 
+@pytest.mark.parametrize("limit", [64, 9])
+def test_graph_verify_drafts_are_uniform_and_exact(limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where verify steps replay CUDA graphs (GPU), a step drafts exactly spec_draft_tokens for every running
+    request, n-gram drafts padded with filler tokens, or drafts nothing: only when nothing waits, every
+    running request decodes, and their number is within the graphs' limit. Run here through the eager path
+    with that policy forced: the samples are still plain decoding's, and every verify batch is uniform."""
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    with torch.no_grad():  # peaky logits: the model repeats itself, so some drafts are right
+        model.lm_head.weight.mul_(8.0)
+    prompts = [PROMPTS[0] * 2, PROMPTS[4], PROMPTS[3] * 3, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
+    params = SamplingParams(n=3, temperature=0.9, max_new_tokens=30, seed=7, stop_token_ids=[41])
+    plain = Engine(model, None, config()).generate(prompts, params)
+    monkeypatch.setattr(Engine, "_verify_batch_limit", lambda self: limit)
+    engine = Engine(model, None, config(speculative="ngram", spec_draft_tokens=3))
+    shapes: list[tuple[int, int, int]] = []  # (verify_len, batch, running) of every drafted step
+    forward = engine.runner.forward
+
+    def recorded(batch):  # noqa: ANN001, ANN202
+        if any(n > 1 for n in batch.q_lens) and batch.sample_index.numel() == batch.num_tokens:
+            shapes.append((batch.verify_len, batch.batch_size, len(engine.scheduler.running)))
+        return forward(batch)
+
+    engine.runner.forward = recorded  # type: ignore[method-assign]
+    spec = engine.generate(prompts, params)
+    assert_same_samples(spec, plain)
+    assert_pool_clean(engine)
+    assert shapes, "nothing was drafted"
+    assert all(length == 4 and batch == running <= limit for length, batch, running in shapes), shapes
+    metrics = engine.metrics()
+    assert metrics["rollout/spec_draft_tokens"] == 3 * sum(batch for _, batch, _ in shapes)
+    assert metrics["rollout/spec_accepted_tokens"] > 0
+
+
 def test_no_retraction_while_a_token_is_in_flight() -> None:
     """Regression (found by review): under overlap, a preemption could pick a request whose stopping token was
     still on the device; it then finished from the waiting queue without its KV row, so its MoE routing was

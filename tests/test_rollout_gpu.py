@@ -389,16 +389,34 @@ def test_fused_kernels_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> 
     assert kernel_calls and all(kernel_calls) and fused_norm_rope.kernel.on
 
 
-def test_speculative_decoding_on_cuda_matches_plain_decoding() -> None:
-    """n-gram verify chunks through flashinfer's prefill kernel (eager) give plain decoding's tokens."""
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int) -> None:
+    """n-gram verify steps replayed as CUDA graphs (drafts padded to spec_draft_tokens, flashinfer's decode
+    wrapper planned with several query rows per request) give plain decoding's tokens; so do eager verify
+    steps (CUDA graphs off: flashinfer's prefill kernel)."""
     model = gpu_model(moe=False, seed=7)
     params = GREEDY.with_(n=2, max_new_tokens=32)
-    plain = Engine(model, None, config(backend="flashinfer", cuda_graph=True)).generate(PROMPTS, params)
-    engine = Engine(model, None, config(backend="flashinfer", cuda_graph=True, speculative="ngram"))
+    cfg = config(backend="flashinfer", cuda_graph=True, page_size=page_size)
+    plain = Engine(model, None, cfg).generate(PROMPTS, params)
+    engine = Engine(model, None, replace(cfg, speculative="ngram", spec_draft_tokens=3))
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.verify_len == 4
+    replayed: list[int] = []
+    replay_verify = graphs._replay_verify
+
+    def counting(batch: object) -> object:
+        replayed.append(batch.batch_size)  # type: ignore[attr-defined]
+        return replay_verify(batch)  # type: ignore[arg-type]
+
+    graphs._replay_verify = counting  # type: ignore[method-assign]
     spec = engine.generate(PROMPTS, params)
     metrics = engine.metrics()
-    assert metrics["rollout/spec_draft_tokens"] > 0
+    # Every verify step replayed a graph: 3 drafts (padded) per request and step, all through one.
+    assert replayed and metrics["rollout/spec_draft_tokens"] == 3 * sum(replayed), (replayed, metrics)
+    assert metrics["rollout/spec_accepted_tokens"] > 0
     assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
+    eager = Engine(model, None, replace(cfg, cuda_graph=False, speculative="ngram")).generate(PROMPTS, params)
+    assert_agree_until_near_tie(model, plain, eager, logprob_tol=0.05)
 
 
 def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) -> None:

@@ -74,6 +74,26 @@ REAL: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         **_QWEN3_COMMON,
     ),
+    "qwen3-1.7b": dict(
+        model_type="qwen3",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        **_QWEN3_COMMON,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        **_QWEN3_COMMON,
+    ),
     "qwen3-8b": dict(
         model_type="qwen3",
         hidden_size=4096,
@@ -126,6 +146,8 @@ _QWEN3_GENERATION: dict[str, Any] = {
 }
 REAL_GENERATION: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": _QWEN3_GENERATION,
+    "qwen3-1.7b": _QWEN3_GENERATION,
+    "qwen3-4b": _QWEN3_GENERATION,
     "qwen3-8b": _QWEN3_GENERATION,
     "qwen3-30b-a3b": _QWEN3_GENERATION,
     "smollm2-135m": {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
