@@ -702,8 +702,8 @@ class Engine:
 
     def _finish_stalled(self) -> list[Sample]:
         """Requests whose output already reached `max_new_tokens`, lowered in place on their params while
-        they ran: nothing is scheduled for them and no token of theirs is in flight, so they end here (with
-        the tokens they have) instead of waiting for ever."""
+        they ran: nothing is scheduled for them and no token of theirs is in flight, so they end here instead
+        of waiting for ever (`_finish` cuts them to the new limit)."""
         stalled = [
             r
             for r in [*self.scheduler.running, *self.scheduler.waiting]
@@ -920,6 +920,13 @@ class Engine:
         # Finished while its next step is queued (overlap): that step's KV slots are the request's too.
         req.kv_len += req.inflight_tokens
         req.inflight_tokens = 0
+        limit = req.params.max_new_tokens
+        if len(req.output_ids) > limit:
+            # max_new_tokens was lowered in place while it ran: return what plain decoding under the new limit
+            # would have (the tokens do not depend on it), and give back the keys and values past it.
+            del req.output_ids[limit:], req.logprobs[limit:]
+            if req.row >= 0:
+                self.kv.truncate([(req, min(req.kv_len, req.seq_len - 1))])
         routed = self._routing_of(req) if req.params.return_routing else None
         self.kv.release(req)
         self.scheduler.remove(req)

@@ -570,9 +570,10 @@ def test_sampling_params_changed_in_place_take_effect() -> None:
 
 def test_max_new_tokens_lowered_below_the_output_ends_the_request() -> None:
     """A caller that lowers `max_new_tokens` in place below what running requests already produced gets them
-    back (truncated, with their tokens) instead of a generate that never returns."""
+    back, truncated to the new limit (the first tokens of the same samples), instead of a generate that never
+    returns; their keys and values past the limit go back to the pool."""
     model = tiny_model(False, seed=1)
-    engine = Engine(model, None, config())
+    engine = Engine(model, None, config(page_size=4))
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True)
     for index in range(3):
         engine.add_request([5, 6, 7, 8, 9], params, group_id=0, index=index)
@@ -586,7 +587,14 @@ def test_max_new_tokens_lowered_below_the_output_ends_the_request() -> None:
             break
     assert not engine.has_unfinished
     assert len(finished) == 3
-    assert all(s.status == SampleStatus.TRUNCATED and len(s.response_ids) >= 2 for s in finished)
+    assert all(s.status == SampleStatus.TRUNCATED for s in finished)
+    assert all(len(s.response_ids) == len(s.rollout_logprobs) == 2 for s in finished)
+    full = Engine(model, None, config(page_size=4)).generate(
+        [[5, 6, 7, 8, 9]], params.with_(max_new_tokens=20)
+    )
+    by_index = {s.index: s for s in finished}
+    assert [by_index[s.index].response_ids for s in full] == [s.response_ids[:2] for s in full]
+    assert_pool_clean(engine)
 
 
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
