@@ -18,11 +18,12 @@ With speculative decoding, verify steps of up to `VERIFY_MAX_BATCH` requests are
 request feeds its last token and exactly `spec_draft_tokens` drafts (the engine pads shorter drafts), so a
 step is `bucket x verify_len` rows with flashinfer's decode wrapper planned for `q_len_per_req =
 verify_len` (causal within each request's rows; tensor-core path, the only one that takes several query
-rows per request). Padding requests hold `verify_len` tokens on page 0. Their rows sample eagerly.
+rows per request). Padding requests hold `verify_len` tokens on page 0. The verify rows sample eagerly.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,11 @@ _BUCKETS = [
     *range(576, 1025, 64),
 ]
 """Graph batch sizes: fine steps keep padding (wasted rows) under ~12%."""
+
+VERIFY_FLASHINFER = (0, 6, 18)
+"""The flashinfer release the verify graphs were tested on (0.6.18.post1, docs/benchmarks.md). Multi-row
+decode plans (`q_len_per_req`) on the fa2 path gave wrong rows silently not long before it; with an older
+release verify steps run eagerly."""
 
 VERIFY_MAX_BATCH = 64
 """Largest batch whose verify steps replay a graph. Speculation pays where a decode step is bound by reading
@@ -142,9 +148,10 @@ class CudaGraphRunner:
         self.piecewise_min_batch = piecewise_min_batch
         self.graphs: dict[int, _Graph] = {}
         self.pieces: dict[int, _Pieces] = {}
-        # flashinfer takes several query rows per request in a decode plan on its fa2 kernels only.
+        # flashinfer takes several query rows per request in a decode plan on its fa2 kernels only, and
+        # `verified_flashinfer` is the version the verify graphs were tested with.
         fa2 = runner.flashinfer is not None and runner.flashinfer.kernel == "fa2"
-        self.verify_len = verify_len if verify_len > 1 and fa2 else 0
+        self.verify_len = verify_len if verify_len > 1 and fa2 and verified_flashinfer() else 0
         """Rows per request of a verify step (1 + draft tokens); 0 without speculative decoding (or on fa3,
         where verify steps run eagerly)."""
         self.verify_buckets = [b for b in self.buckets if b <= VERIFY_MAX_BATCH] if self.verify_len else []
@@ -383,6 +390,23 @@ class CudaGraphRunner:
             self.ids[real:bs].zero_()
             self.positions[real:bs].zero_()
             self.slots[real:bs].zero_()
+
+
+def verified_flashinfer(version: str | None = None) -> bool:
+    """Whether the installed flashinfer (or `version`) is at least `VERIFY_FLASHINFER`."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("flashinfer-python")
+        except PackageNotFoundError:
+            return False
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= VERIFY_FLASHINFER
 
 
 def _padding_requests(

@@ -213,6 +213,7 @@ class Engine:
         # Drafts come from the newest tokens, so speculation needs each step's tokens before planning the next.
         self.overlap = self.overlap and not self.speculative
         self._in_flight: _Launched | None = None
+        self._maybe_stalled = False
         self._drained: list[Sample] = []
         self._row_params: (
             tuple[list[SamplingParams], list[tuple[SamplingParams, _Settings]], SamplingTensors] | None
@@ -391,9 +392,12 @@ class Engine:
             self._abort_flagged = False
             for req in [r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.abort_requested]:
                 finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
+        if self._maybe_stalled:  # the last plan left a running request out: its limit may have been lowered
+            finished.extend(self._finish_stalled())
         if self.speculative:
             self._propose_drafts()
         plan = self.scheduler.schedule(in_flight=self._in_flight is not None)
+        self._maybe_stalled = len(plan.chunks) < len(self.scheduler.running)
         self.stats.preemptions += len(plan.retracted)
         if plan.failed:
             finished.extend(self._resolve())
@@ -427,7 +431,8 @@ class Engine:
 
     def _verify_batch_limit(self) -> int:
         """Largest batch whose verify steps replay a CUDA graph (cuda_graph.py); 0 where verify steps run
-        eagerly at any size (CPU, no graphs)."""
+        eagerly at any size (CPU, no graphs, flashinfer's fa3 kernels or a flashinfer older than the verify
+        graphs were tested with)."""
         graphs = self.runner.graphs
         return graphs.verify_max_batch if graphs is not None else 0
 
@@ -916,20 +921,24 @@ class Engine:
         return torch.cat([t for t, _ in out])[:num], torch.cat([lp for _, lp in out])[:num]
 
     def _finish(self, req: Request, status: SampleStatus, error: str | None = None) -> Sample:
-        req.status, req.error = status, error
         # Finished while its next step is queued (overlap): that step's KV slots are the request's too.
         req.kv_len += req.inflight_tokens
         req.inflight_tokens = 0
+        routed = self._routing_of(req) if req.params.return_routing else None
+        self.kv.release(req)  # all it computed: those keys and values are right, whatever is returned
+        self.scheduler.remove(req)
         limit = req.params.max_new_tokens
         if len(req.output_ids) > limit:
-            # max_new_tokens was lowered in place while it ran: return what plain decoding under the new limit
-            # would have (the tokens do not depend on it), and give back the keys and values past it.
+            # max_new_tokens was lowered in place while it ran: return what it would have under that limit
+            # from the start (the tokens do not depend on the limit), which ends on the limit.
+            self.stats.output_tokens -= len(req.output_ids) - limit
             del req.output_ids[limit:], req.logprobs[limit:]
-            if req.row >= 0:
-                self.kv.truncate([(req, min(req.kv_len, req.seq_len - 1))])
-        routed = self._routing_of(req) if req.params.return_routing else None
-        self.kv.release(req)
-        self.scheduler.remove(req)
+            req.stop_text = None  # found in tokens past the limit
+            if routed is not None:
+                del routed[len(req.prompt_ids) + max(limit, 1) - 1 :]
+            if status != SampleStatus.ABORTED:
+                status = SampleStatus.TRUNCATED
+        req.status, req.error = status, error
         self.stats.aborted += status == SampleStatus.ABORTED
         self.stats.truncated += status == SampleStatus.TRUNCATED
         prompt_text = self._prompt_texts.pop(req.rid, "")

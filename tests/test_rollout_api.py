@@ -264,6 +264,30 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend("triton", cuda, bf16, 128)
 
 
+def test_verify_graph_padding_and_flashinfer_version() -> None:
+    """The padding requests of a verify graph hold `tokens` tokens each on page 0 (flashinfer's page-table
+    form: host indptr, indices, last-page lengths), after the real ones; verify graphs need the flashinfer
+    release they were tested on."""
+    from miles.rollout.cuda_graph import _padding_requests, verified_flashinfer
+
+    real_indptr = torch.tensor([0, 3, 4], dtype=torch.int32)
+    real_indices, real_last = (
+        torch.tensor([7, 8, 9, 5], dtype=torch.int32),
+        torch.tensor([2, 16], dtype=torch.int32),
+    )
+    for page, tokens in [(1, 5), (16, 5), (16, 16), (16, 17), (4, 20)]:
+        indptr, indices, last = _padding_requests(
+            real_indptr, 3, tokens, page, torch.device("cpu"), real_indices, real_last
+        )
+        pages = -(-tokens // page)
+        assert indptr.tolist() == [0, 3, 4, 4 + pages, 4 + 2 * pages, 4 + 3 * pages]
+        assert indices.tolist() == [7, 8, 9, 5] + [0] * (3 * pages)
+        assert last.tolist() == [2, 16] + [tokens - (pages - 1) * page] * 3
+        assert all(1 <= n <= page for n in last.tolist()[2:])
+    assert verified_flashinfer("0.6.18.post1") and verified_flashinfer("0.7.0rc1")
+    assert not verified_flashinfer("0.6.17") and not verified_flashinfer("0.5.3")
+
+
 def test_decode_kernel_choice() -> None:
     """`rollout.flashinfer_decode=auto` decodes on tensor cores from 4 query heads per KV head (and always with
     fa3), on CUDA cores below; a bad value fails when the engine is built, on CPU too."""

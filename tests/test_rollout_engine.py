@@ -597,6 +597,60 @@ def test_max_new_tokens_lowered_below_the_output_ends_the_request() -> None:
     assert_pool_clean(engine)
 
 
+def test_a_lowered_limit_ends_its_request_while_others_run() -> None:
+    """The request whose limit was lowered ends at the next step, not once the others are done; one that
+    had been retracted (its output then sits in the radix cache, shared with the tree) gives back only its
+    own keys and values; one whose stopping token lay past the new limit ends TRUNCATED, not COMPLETED."""
+    model = tiny_model(False, seed=1)
+    engine = Engine(model, None, config(page_size=4))
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
+    lowered, other = params.with_(), params.with_()
+    engine.add_request([5, 6, 7, 8, 9], lowered, group_id=0, index=0)
+    engine.add_request([5, 6, 7, 8, 10], other, group_id=1, index=0)
+    for _ in range(12):
+        engine.step()
+    engine._drain()
+    engine.scheduler.retract_all()  # both prefixes go into the tree; re-admission matches them
+    for _ in range(2):
+        engine.step()
+    lowered.max_new_tokens = 3
+    ended: dict[int, tuple[int, Sample]] = {}
+    for step in range(60):
+        for sample in engine.step():
+            ended[sample.group_id] = (step, sample)
+        if not engine.has_unfinished:
+            break
+    (step_lowered, cut), (step_other, full) = ended[0], ended[1]
+    assert step_lowered <= 2 < step_other
+    assert cut.status == SampleStatus.TRUNCATED and len(cut.response_ids) == len(cut.rollout_logprobs) == 3
+    assert len(full.response_ids) == 40
+    assert_pool_clean(engine)
+
+
+def test_a_stop_token_past_the_lowered_limit_truncates() -> None:
+    """Overlap scheduling: the step in flight when the limit is lowered may sample a stop token past it;
+    the request still ends TRUNCATED with the tokens up to the limit."""
+    model = tiny_model(False, seed=1)
+    prompt = [5, 6, 7, 8, 9]
+    base = SamplingParams(temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True)
+    out = Engine(model, None, config(overlap_schedule="on")).generate([prompt], base)[0].response_ids
+    stop_at = next(i for i in range(4, 20) if out[i] not in out[:i])
+    engine = Engine(model, None, config(overlap_schedule="on"))
+    params = base.with_(stop_token_ids=[out[stop_at]])
+    engine.add_request(prompt, params)
+    while True:  # until the stop token is the one in flight
+        engine.step()
+        req = engine.scheduler.running[0]
+        if len(req.output_ids) == stop_at + 1 and req.pending_index >= 0:
+            break
+    params.max_new_tokens = 2
+    done: list[Sample] = []
+    while engine.has_unfinished:
+        done += engine.step()
+    assert done[0].status == SampleStatus.TRUNCATED and done[0].response_ids == out[:2]
+    assert_pool_clean(engine)
+
+
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
 def test_decode_staging_gives_the_same_samples(speculative: str) -> None:
     """Staged CPU decode (keys, values and plans carried between steps) against gathering every step, on a
