@@ -931,7 +931,8 @@ class Engine:
         if len(req.output_ids) > limit:
             # max_new_tokens was lowered in place while it ran: return what it would have under that limit
             # from the start (the tokens do not depend on the limit), which ends on the limit.
-            self.stats.output_tokens -= len(req.output_ids) - limit
+            # (A token still in flight is a placeholder, not counted yet.)
+            self.stats.output_tokens -= max(0, len(req.output_ids) - limit - (req.pending_index >= 0))
             del req.output_ids[limit:], req.logprobs[limit:]
             req.stop_text = None  # found in tokens past the limit
             if routed is not None:
