@@ -167,30 +167,22 @@ class FlashinferBackend:
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend=self.kernel
         )
 
-    def graph_verify_wrapper(
-        self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor
-    ) -> object:
-        """A graph-mode decode wrapper for verify steps (several query rows per request, planned with
-        `q_len_per_req`): tensor cores whatever `decode_tensor_cores` says, the only path that takes them."""
-        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            backend=self.kernel,
-            paged_kv_indptr_buffer=indptr_buf[: batch_size + 1],
-            paged_kv_indices_buffer=indices_buf,
-            paged_kv_last_page_len_buffer=last_buf[:batch_size],
-        )
-
     def graph_decode_wrapper(
-        self, batch_size: int, indptr_buf: torch.Tensor, indices_buf: torch.Tensor, last_buf: torch.Tensor
+        self,
+        batch_size: int,
+        indptr_buf: torch.Tensor,
+        indices_buf: torch.Tensor,
+        last_buf: torch.Tensor,
+        rows_per_request: int = 1,
     ) -> object:
+        """A graph-mode decode wrapper over the static page-table buffers. Verify steps (`rows_per_request`
+        > 1, planned with `q_len_per_req`) take the tensor-core path whatever `decode_tensor_cores` says: it
+        is the only one that takes several query rows per request."""
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=self.decode_tensor_cores,
+            use_tensor_cores=self.decode_tensor_cores or rows_per_request > 1,
             backend=self.kernel,
             paged_kv_indptr_buffer=indptr_buf[: batch_size + 1],
             paged_kv_indices_buffer=indices_buf,

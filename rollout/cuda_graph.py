@@ -249,7 +249,9 @@ class CudaGraphRunner:
         self.v_slots = torch.zeros(rows, dtype=torch.long, device=pool.device)
         for bs in sorted(self.verify_buckets, reverse=True):
             n = bs * self.verify_len
-            wrapper = backend.graph_verify_wrapper(bs, self.indptr_buf, self.indices_buf, self.last_buf)
+            wrapper = backend.graph_decode_wrapper(
+                bs, self.indptr_buf, self.indices_buf, self.last_buf, self.verify_len
+            )
             attn = FlashinferAttention(pool, wrapper, self.v_slots[:n])
             self._warm_up(bs, attn, self.verify_len)
             graph = torch.cuda.CUDAGraph()

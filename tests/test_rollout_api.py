@@ -264,6 +264,31 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend("triton", cuda, bf16, 128)
 
 
+def test_graph_decode_wrappers_take_the_chosen_kernel() -> None:
+    """Graph decode wrappers decode on the chosen path; verify wrappers (several rows per request) always on
+    tensor cores. (flashinfer itself is stood in for: this checks the arguments the engine passes.)"""
+    from types import SimpleNamespace
+
+    from miles.rollout.attention_flashinfer import FlashinferBackend
+
+    made: list[dict[str, object]] = []
+    backend = object.__new__(FlashinferBackend)  # without flashinfer, which a CPU install lacks
+    backend.flashinfer = SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=lambda *a, **kw: made.append(kw))
+    backend.workspace, backend.kernel = torch.zeros(1), "fa2"
+    buffers = (
+        torch.zeros(9, dtype=torch.int32),
+        torch.zeros(64, dtype=torch.int32),
+        torch.zeros(8, dtype=torch.int32),
+    )
+    for tensor_cores in (False, True):
+        backend.decode_tensor_cores = tensor_cores
+        backend.graph_decode_wrapper(4, *buffers)
+        backend.graph_decode_wrapper(4, *buffers, rows_per_request=5)
+    assert [kw["use_tensor_cores"] for kw in made] == [False, True, True, True]
+    assert all(kw["use_cuda_graph"] and len(kw["paged_kv_indptr_buffer"]) == 5 for kw in made)  # type: ignore[arg-type]
+    assert all(len(kw["paged_kv_last_page_len_buffer"]) == 4 for kw in made)  # type: ignore[arg-type]
+
+
 def test_verify_graph_padding_and_flashinfer_version() -> None:
     """The padding requests of a verify graph hold `tokens` tokens each on page 0 (flashinfer's page-table
     form: host indptr, indices, last-page lengths), after the real ones; verify graphs need the flashinfer
