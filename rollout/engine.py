@@ -96,8 +96,10 @@ class EngineStats:
     dropped_rows: int = 0
     """Overlap scheduling: decode rows computed for requests their previous token had already finished."""
     spec_steps: int = 0
-    """Speculative decoding: request-steps that verified a draft, draft tokens, and those accepted."""
+    """Speculative decoding: request-steps that verified a draft, draft tokens (filler included), those the
+    n-grams proposed, and those accepted."""
     spec_draft_tokens: int = 0
+    spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     device_wait_s: float = 0.0
     """Overlap scheduling: host time spent waiting for a step's tokens. Near 0, the device waited for the
@@ -473,6 +475,7 @@ class Engine:
                 index.extend(req.prompt_ids)
             index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
             req.draft = index.propose(k)
+            req.draft_proposed = len(req.draft)
             proposed = proposed or bool(req.draft)
             if graph_limit:
                 req.draft += [(req.draft or req.output_ids)[-1]] * (k - len(req.draft))
@@ -501,7 +504,8 @@ class Engine:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
                     req.output_ids, req.logprobs, req.stop_text, req.ngram = [], [], None, None
-                    req.spec_steps = req.spec_draft_tokens = req.spec_accepted_tokens = 0
+                    req.spec_steps = req.spec_draft_tokens = req.spec_proposed_tokens = 0
+                    req.spec_accepted_tokens = 0
         self.flush_cache()
         load_weights(self.model, weights)
         self._weight_version = self._weight_version + 1 if version is None else int(version)
@@ -557,6 +561,7 @@ class Engine:
                 1.0 + s.spec_accepted_tokens / s.spec_steps if s.spec_steps else 0.0
             ),
             "rollout/spec_draft_tokens": float(s.spec_draft_tokens),
+            "rollout/spec_proposed_tokens": float(s.spec_proposed_tokens),
             "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),
             "rollout/weight_version": float(self._weight_version),
             "rollout/device_wait_s": s.device_wait_s,
@@ -790,11 +795,13 @@ class Engine:
             self.kv.truncate([(req, base + kept)])
         req.spec_steps += 1
         req.spec_draft_tokens += len(draft)
+        req.spec_proposed_tokens += req.draft_proposed
         req.spec_accepted_tokens += accepted
         s = self.stats
         s.output_tokens += kept
         s.spec_steps += 1
         s.spec_draft_tokens += len(draft)
+        s.spec_proposed_tokens += req.draft_proposed
         s.spec_accepted_tokens += accepted
         return status
 

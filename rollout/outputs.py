@@ -68,6 +68,7 @@ def to_sample(
             {
                 "verify_steps": req.spec_steps,
                 "draft_tokens": req.spec_draft_tokens,
+                "proposed_tokens": req.spec_proposed_tokens,
                 "accepted_tokens": req.spec_accepted_tokens,
             }
             if req.spec_steps

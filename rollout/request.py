@@ -43,10 +43,13 @@ class Request:
     """Positions computed by the launched, not yet committed step (their KV is being written)."""
     draft: list[int] = field(default_factory=list)
     """Speculative decoding: tokens proposed to follow the sequence, verified by the next step."""
+    draft_proposed: int = 0
+    """Of `draft`, the leading tokens the n-grams proposed; the rest are filler (verify graphs, GPU)."""
     ngram: Any = None
     """Its n-gram index over prompt + output (rollout/ngram.py), built on first use."""
     spec_steps: int = 0
     spec_draft_tokens: int = 0
+    spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     end_ids: frozenset[int] | None = None
     """The token ids that end it (EOS unless `ignore_eos`, and `stop_token_ids`), fixed when it is added;

@@ -396,6 +396,12 @@ def test_speculative_decoding_gives_the_same_samples() -> None:
         == metrics["ngram"]["rollout/spec_accepted_tokens"]
     )
     assert metrics["off"]["rollout/spec_draft_tokens"] == 0 and all(not s.spec_stats for s in off)
+    # Without verify graphs every draft token is an n-gram's proposal.
+    assert metrics["ngram"]["rollout/spec_proposed_tokens"] == metrics["ngram"]["rollout/spec_draft_tokens"]
+    assert (
+        sum(s.spec_stats.get("proposed_tokens", 0) for s in on)
+        == metrics["ngram"]["rollout/spec_proposed_tokens"]
+    )
 
 
 @pytest.mark.parametrize("limit", [64, 9])
@@ -428,6 +434,7 @@ def test_graph_verify_drafts_are_uniform_and_exact(limit: int, monkeypatch: pyte
     assert all(length == 4 and batch == running <= limit for length, batch, running in shapes), shapes
     metrics = engine.metrics()
     assert metrics["rollout/spec_draft_tokens"] == 3 * sum(batch for _, batch, _ in shapes)
+    assert 0 < metrics["rollout/spec_proposed_tokens"] < metrics["rollout/spec_draft_tokens"]  # filler too
     assert metrics["rollout/spec_accepted_tokens"] > 0
 
 
