@@ -318,18 +318,11 @@ class CudaGraphRunner:
             return self._replay_verify(batch)
         real = batch.batch_size
         bs = self._bucket(real)
-        self._fill_inputs(batch, bs)
+        self._fill_inputs(batch, bs, self.ids, self.positions, self.slots)
         if bs in self.pieces:
             return self._replay_pieces(batch, self.pieces[bs])
         entry = self.graphs[bs]
-        indptr, indices, last = paged_kv_metadata(
-            self.runner.table, batch.rows, batch.kv_lens, self.runner.pool.page_size
-        )
-        if bs > real:  # padding rows: one page each, page 0, holding one token
-            page = self.runner.pool.page_size
-            indptr, indices, last = _padding_requests(
-                indptr, bs - real, 1, page, indices.device, indices, last
-            )
+        indptr, indices, last = self._page_table(batch, bs, 1)
         self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
         entry.graph.replay()
         self.last_logits = entry.logits
@@ -340,24 +333,10 @@ class CudaGraphRunner:
         length, real = self.verify_len, batch.batch_size
         bs = next(b for b in self.verify_buckets if b >= real)
         entry = self.verify[bs]
-        rows, n = real * length, bs * length
-        self.v_ids[:rows].copy_(batch.input_ids)
-        self.v_positions[:rows].copy_(batch.positions)
-        self.v_slots[:rows].copy_(batch.out_slots)
-        self.valid_rows.fill_(rows)
-        if n > rows:  # padding requests: position 0, their keys and values written to slot 0 (page 0)
-            self.v_ids[rows:n].zero_()
-            self.v_positions[rows:n].zero_()
-            self.v_slots[rows:n].zero_()
-        runner = self.runner
-        indptr, indices, last = paged_kv_metadata(
-            runner.table, batch.rows, batch.kv_lens, runner.pool.page_size
-        )
-        if bs > real:
-            indptr, indices, last = _padding_requests(
-                indptr, bs - real, length, runner.pool.page_size, indices.device, indices, last
-            )
-        runner.flashinfer.plan(entry.wrapper, indptr, indices, last, q_len_per_req=length)  # type: ignore[union-attr]
+        rows = real * length
+        self._fill_inputs(batch, bs * length, self.v_ids, self.v_positions, self.v_slots)
+        indptr, indices, last = self._page_table(batch, bs, length)
+        self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last, q_len_per_req=length)  # type: ignore[union-attr]
         entry.graph.replay()
         self.last_logits = None  # the sampler graphs are captured on the decode graphs' logits only
         routing = entry.routing[:, :rows] if entry.routing is not None else None
@@ -382,16 +361,34 @@ class CudaGraphRunner:
         routing = pieces.routing[:, :real] if pieces.routing is not None else None
         return pieces.logits[:real], routing
 
-    def _fill_inputs(self, batch: ForwardBatch, bs: int) -> None:
-        real = batch.batch_size
-        self.ids[:real].copy_(batch.input_ids)
-        self.positions[:real].copy_(batch.positions)
-        self.slots[:real].copy_(batch.out_slots)
+    def _fill_inputs(
+        self, batch: ForwardBatch, n: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """The batch's tokens into a graph's static inputs of `n` rows; the padding rows after them take
+        position 0 and write their keys and values to slot 0 (page 0)."""
+        real = batch.input_ids.shape[0]
+        ids[:real].copy_(batch.input_ids)
+        positions[:real].copy_(batch.positions)
+        slots[:real].copy_(batch.out_slots)
         self.valid_rows.fill_(real)
+        if n > real:
+            ids[real:n].zero_()
+            positions[real:n].zero_()
+            slots[real:n].zero_()
+
+    def _page_table(
+        self, batch: ForwardBatch, bs: int, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """flashinfer's page-table metadata for a graph of `bs` requests: the batch's, then padding requests
+        holding `tokens` tokens each on page 0."""
+        runner, real = self.runner, batch.batch_size
+        page = runner.pool.page_size
+        indptr, indices, last = paged_kv_metadata(runner.table, batch.rows, batch.kv_lens, page)
         if bs > real:
-            self.ids[real:bs].zero_()
-            self.positions[real:bs].zero_()
-            self.slots[real:bs].zero_()
+            indptr, indices, last = _padding_requests(
+                indptr, bs - real, tokens, page, indices.device, indices, last
+            )
+        return indptr, indices, last
 
 
 def verified_flashinfer(version: str | None = None) -> bool:

@@ -264,6 +264,44 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend("triton", cuda, bf16, 128)
 
 
+def test_graph_inputs_and_page_table_pad_to_the_bucket() -> None:
+    """A graph replay's static inputs and page table: the batch's rows, then padding rows (position 0, slot
+    0) and padding requests holding `tokens` tokens on page 0, for decode (1) and verify (3) rows per request.
+    (The graphs themselves need a GPU; this is the host side that fills them.)"""
+    from types import SimpleNamespace
+
+    from miles.rollout.cuda_graph import CudaGraphRunner
+    from miles.rollout.forward_batch import ForwardBatch
+    from miles.rollout.kv_pool import RequestTable
+
+    table = RequestTable(4, 64, torch.device("cpu"))
+    table.table[2, :12] = torch.arange(40, 52, dtype=torch.int32)
+    table.table[0, :6] = torch.arange(8, 14, dtype=torch.int32)
+    graphs = object.__new__(CudaGraphRunner)
+    graphs.runner = SimpleNamespace(table=table, pool=SimpleNamespace(page_size=4))
+    graphs.valid_rows = torch.zeros(1, dtype=torch.int32)
+    for rows_per_request in (1, 3):
+        real = 2 * rows_per_request
+        batch = ForwardBatch(
+            input_ids=torch.arange(1, real + 1),
+            positions=torch.arange(10, 10 + real),
+            out_slots=torch.arange(20, 20 + real),
+            rows=[2, 0],
+            q_lens=[rows_per_request] * 2,
+            kv_lens=[12, 6],
+            sample_index=torch.arange(real),
+        )
+        n = 4 * rows_per_request
+        ids, positions, slots = (torch.full((n + 2,), -1) for _ in range(3))
+        graphs._fill_inputs(batch, n, ids, positions, slots)
+        assert ids[:n].tolist() == list(range(1, real + 1)) + [0] * (n - real)
+        assert slots[:n].tolist() == list(range(20, 20 + real)) + [0] * (n - real)
+        assert positions[n:].tolist() == [-1, -1] and int(graphs.valid_rows) == real
+        indptr, indices, last = graphs._page_table(batch, 4, rows_per_request)
+        assert indptr.tolist() == [0, 3, 5, 6, 7] and indices.tolist() == [10, 11, 12, 2, 3, 0, 0]
+        assert last.tolist() == [4, 2, rows_per_request, rows_per_request]
+
+
 def test_graph_decode_wrappers_take_the_chosen_kernel() -> None:
     """Graph decode wrappers decode on the chosen path; verify wrappers (several rows per request) always on
     tensor cores. (flashinfer itself is stood in for: this checks the arguments the engine passes.)"""
