@@ -18,7 +18,8 @@ With speculative decoding, verify steps of up to `VERIFY_MAX_BATCH` requests are
 request feeds its last token and exactly `spec_draft_tokens` drafts (the engine pads shorter drafts), so a
 step is `bucket x verify_len` rows with flashinfer's decode wrapper planned for `q_len_per_req =
 verify_len` (causal within each request's rows; tensor-core path, the only one that takes several query
-rows per request). Padding requests hold `verify_len` tokens on page 0. The verify rows sample eagerly.
+rows per request). Padding requests hold `verify_len` tokens on page 0. A verify graph's logits get a sampler
+graph too: each row draws the token plain decoding would draw at its position.
 """
 
 from __future__ import annotations
@@ -258,6 +259,7 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
                 logits, routing = self._forward(attn, self.v_ids[:n], self.v_positions[:n])
             self.verify[bs] = _Graph(graph, wrapper, logits, routing)
+            self.sampler.capture(logits, mempool, self.capture_stream)
 
     def _capture_pieces(self, bs: int, mempool: tuple[int, int]) -> _Pieces:
         pool, model = self.runner.pool, self.runner.model
@@ -338,7 +340,7 @@ class CudaGraphRunner:
         indptr, indices, last = self._page_table(batch, bs, length)
         self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last, q_len_per_req=length)  # type: ignore[union-attr]
         entry.graph.replay()
-        self.last_logits = None  # the sampler graphs are captured on the decode graphs' logits only
+        self.last_logits = entry.logits
         routing = entry.routing[:, :rows] if entry.routing is not None else None
         return entry.logits[:rows], routing
 

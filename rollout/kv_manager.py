@@ -95,16 +95,17 @@ class KVManager:
         p = self.page_size
         count = len(rows)
         device = self.table.table.device
+        flat_table, width = self.table.table.view(-1), self.table.max_context
         total = int(lens.sum())
         if total == count:  # one token each (decode): no per-token expansion
             tok_row, tok_pos = rows, starts
         else:
             tok_row = np.repeat(rows, lens)
             tok_pos = concat_ranges(starts, lens)
-        rows_t, pos_t = host_to_device(tok_row, device), host_to_device(tok_pos, device)
+        at = tok_row * width + tok_pos  # each position's entry in the flattened table
         if p == 1:
             pages = self.pool.alloc_pages(total)  # int32, as the table holds them
-            self.table.table[rows_t, pos_t] = pages
+            flat_table[host_to_device(at, device)] = pages
             return pages.long()
         # Positions inside a page the request already holds continue it; the others open new pages.
         new_pages = -(-(starts + lens) // p) - -(-starts // p)
@@ -113,14 +114,14 @@ class KVManager:
         first_new = np.repeat(-(-starts // p), lens)
         is_new = page_in_req >= first_new
         ordinal = np.repeat(np.cumsum(new_pages) - new_pages, lens) + page_in_req - first_new
-        base_existing = self.table.table[rows_t, host_to_device(page_in_req * p, device)].long()
+        # One copy to the device for every per-token index (a step's small copies cost host time each).
+        packed = np.stack([at, at - tok_pos % p, np.where(is_new, ordinal, 0), tok_pos % p, is_new])
+        at_t, page_start, ordinal_t, offset, is_new_t = host_to_device(packed, device)
+        base = flat_table[page_start]  # the slot starting the page, where the request holds it
         if pages.numel():
-            base_new = pages.long()[host_to_device(np.clip(ordinal, 0, None), device)] * p
-            base = torch.where(host_to_device(is_new, device), base_new, base_existing)
-        else:
-            base = base_existing
-        slots = base + host_to_device(tok_pos % p, device)
-        self.table.table[rows_t, pos_t] = slots.to(torch.int32)
+            base = torch.where(is_new_t.bool(), pages[ordinal_t] * p, base)
+        slots = base + offset
+        flat_table[at_t] = slots.to(torch.int32)
         return slots
 
     def truncate(self, cuts: list[tuple[Request, int]]) -> None:

@@ -1,11 +1,11 @@
-"""CUDA graphs of the sampler's plain draw on the decode graphs' logits.
+"""CUDA graphs of the sampler's plain draw on the decode (and verify) graphs' logits.
 
 A plain draw is the sampler's most common case in RL: temperature only, no top-k / top-p / min-p, no greedy row
 (`sampling.sample` then draws from block totals, `draws_from_block_masses`). Eagerly it launches ~30 small
 kernels a step: ~0.86 ms of host time on the H200's host, a third of a `qwen3-0.6b` decode step at batch 64,
-where the host is the bottleneck. Replayed as a graph on the decode graph's static logits it is one launch.
+where the host is the bottleneck. Replayed as a graph on a decode (or verify) graph's static logits it is one launch.
 
-A graph is captured per decode-graph logits buffer (so per bucket), right after that bucket's decode graph,
+A graph is captured per logits buffer (so per bucket), right after the decode or verify graph that writes it,
 in the same memory pool; it computes the same kernels on the same inputs, so its tokens and logprobs are the
 eager ones bit for bit. `CudaGraphRunner` owns the graphs and drops them with its own.
 """
@@ -77,7 +77,7 @@ class SamplerGraphs:
         return captured.tokens[:rows].clone(), captured.logprobs[:rows]
 
     def capture(self, logits: torch.Tensor, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
-        """Capture the plain draw over a decode graph's static `logits` [bucket, V] (in that graph's memory
+        """Capture the plain draw over a decode or verify graph's static `logits` [rows, V] (in that graph's memory
         `pool`, on its capture `stream`), where the sampler would take it (fused kernels on)."""
         bucket = logits.shape[0]
         if not self.on or not fused.compiling():

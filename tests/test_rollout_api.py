@@ -241,6 +241,10 @@ def test_flashinfer_page_table_metadata() -> None:
     table.table[0, :4] = torch.tensor([4, 5, 6, 7], dtype=torch.int32)
     indptr, indices, last = paged_kv_metadata(table, [2, 0], [10, 4], page)
     assert indptr.tolist() == [0, 3, 4] and indices.tolist() == [2, 10, 5, 1] and last.tolist() == [2, 4]
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+    indptr, indices, last = paged_kv_metadata(table, [0, 2], [3, 6], 1)  # page size 1: the slots themselves
+    assert indptr.tolist() == [0, 3, 9] and indices.tolist() == [4, 5, 6, 8, 9, 10, 11, 40, 41]
+    assert last.tolist() == [1, 1] and indices.dtype == torch.int32
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -214,6 +214,40 @@ def test_sampler_graph_draws_what_the_eager_sampler_draws(
         assert [s.rollout_logprobs for s in got] == [s.rollout_logprobs for s in want]
 
 
+def test_verify_sampler_graph_draws_what_the_eager_sampler_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With speculative decoding, the plain draw replayed as a CUDA graph on a verify graph's logits gives the
+    eager sampler's tokens and logprobs bit for bit (same verify graphs on both sides)."""
+    from miles.rollout.cuda_graph import CudaGraphRunner
+
+    model = gpu_model(False, seed=7)
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=32, seed=3)
+    cfg = config(backend="flashinfer", cuda_graph=True, speculative="ngram", spec_draft_tokens=3)
+    drawn: list[tuple[bool, bool]] = []  # (the last replay was a verify step, sampled through a graph)
+    sample = CudaGraphRunner.sample
+
+    def counted(self: CudaGraphRunner, logits: torch.Tensor, st: object) -> object:
+        out = sample(self, logits, st)  # type: ignore[arg-type]
+        drawn.append(
+            (
+                self.last_logits is not None
+                and self.last_logits.shape[0] % self.verify_len == 0
+                and any(g.logits is self.last_logits for g in self.verify.values()),
+                out is not None,
+            )
+        )
+        return out
+
+    monkeypatch.setattr(CudaGraphRunner, "sample", counted)
+    engine = Engine(model, None, cfg)
+    graphed = engine.generate(PROMPTS, params)
+    assert (True, True) in drawn, drawn  # some verify step sampled through its graph
+    assert engine.metrics()["rollout/spec_accepted_tokens"] > 0
+    monkeypatch.setattr(CudaGraphRunner, "sample", lambda self, logits, st: None)
+    eager = Engine(model, None, cfg).generate(PROMPTS, params)
+    assert [s.response_ids for s in graphed] == [s.response_ids for s in eager]
+    assert [s.rollout_logprobs for s in graphed] == [s.rollout_logprobs for s in eager]
+
+
 @pytest.mark.parametrize(
     ("moe", "fused", "min_batch"),
     [(False, "auto", 1), (True, "auto", 1), (True, "auto", 16), (False, "off", 4)],

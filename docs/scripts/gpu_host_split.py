@@ -17,7 +17,7 @@ import torch
 
 from miles.config import RolloutConfig
 from miles.models.presets import build_random_model, preset_args
-from miles.rollout import attention_flashinfer, cuda_graph, sampler_graph, scheduler
+from miles.rollout import attention_flashinfer, cuda_graph, kv_manager, sampler_graph, scheduler
 from miles.rollout import model_runner as runner_module
 from miles.rollout.engine import Engine
 from miles.rollout.params import SamplingParams
@@ -49,6 +49,7 @@ def main() -> None:
         (scheduler.Scheduler, "schedule", "schedule"),
         (Engine, "_launch", "launch"),
         (Engine, "_build_batch", "launch.build"),
+        (kv_manager.KVManager, "alloc_extend", "build.kv_alloc"),
         (runner_module.ModelRunner, "forward", "launch.forward"),
         (cuda_graph.CudaGraphRunner, "_fill_inputs", "forward.fill"),
         (attention_flashinfer.FlashinferBackend, "plan", "forward.plan"),
