@@ -238,8 +238,8 @@ def test_unsupported_config_fields_are_refused(tmp_path: Path) -> None:
         ("hidden_act", "gelu", "hidden_act 'gelu'"),
         (
             "rope_parameters",
-            {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
-            "'yarn' is not supported",
+            {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0},
+            "'dynamic' is not supported",
         ),
         ("model_type", "gpt2", "model_type 'gpt2' is not supported"),
     ]:

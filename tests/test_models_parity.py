@@ -124,6 +124,55 @@ CASES = {
             },
         ),
     ),
+    # YaRN as Qwen3's long-context configs set it (factor 4), over an original context of 16 < the 40 tokens.
+    "qwen3_rope_yarn": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            vocab_size=90,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    # YaRN with every option set: an explicit attention factor, other ramp ends, no truncation (MoE, untied).
+    "qwen3_moe_rope_yarn_options": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(
+            vocab_size=60,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1_000_000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 24,
+                "attention_factor": 1.3,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "truncate": False,
+            },
+        ),
+    ),
     # Plain Llama: derived head_dim 10, full multi-head attention, tied, linear RoPE scaling.
     "llama_mha_tied_linear": (
         LlamaForCausalLM,

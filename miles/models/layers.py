@@ -22,20 +22,27 @@ class RMSNorm(nn.Module):
         return fused.call(fused.rms_norm, x, self.weight, self.eps)
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2] float32, attention factor) of the model's RoPE, as transformers
+    computes them; the attention factor (YaRN's) scales cos and sin, 1.0 for the other types."""
     dim = args.head_dim
     # Built on the CPU explicitly, so a model constructed under `torch.device("meta")` still gets real values.
-    inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (args.rope_theta**exponents)
     scaling = args.rope_scaling
     if not scaling:
-        return inv_freq
+        return inv_freq, 1.0
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type != "llama3":
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_frequencies(args, exponents, scaling)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
@@ -48,12 +55,49 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_frequencies(args: ModelArgs, exponents: torch.Tensor, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dimensions that rotate many times within the original context keep their
+    frequency, those that rotate less than once are interpolated by `factor`, a linear ramp in between; cos
+    and sin are scaled by the attention factor. Keys and defaults as transformers reads them (Qwen3's
+    long-context configs: factor 4, original_max_position_embeddings 32768)."""
+    dim, base = args.head_dim, args.rope_theta
+    original = scaling.get("original_max_position_embeddings") or args.max_position_embeddings
+    factor = scaling.get("factor") or args.max_position_embeddings / original
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        weight, weight_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, weight) / mscale(factor, weight_all) if weight and weight_all else mscale(factor)
+        )
+
+    def correction_dim(
+        rotations: float,
+    ) -> float:  # the dimension that turns `rotations` times in the context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolated), 0: interpolated by `factor`
+    freqs = base**exponents
+    inv_freq = 1.0 / (factor * freqs) * (1 - keep) + 1.0 / freqs * keep
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not round the frequencies (at long
         # positions a bf16 inv_freq shifts rotation angles by whole radians; transformers keeps float32).
-        self.inv_freq = rope_inv_freq(args)
+        self.inv_freq, self.attention_factor = rope_frequencies(args)
         self.max_positions = args.max_position_embeddings
         self._cpu_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -67,7 +111,10 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin) [N, head_dim] of the rotation at each position, computed."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if self.attention_factor == 1.0:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        # YaRN: scaled in float32 before the cast, as transformers does (the q/k kernels take cos and sin as given).
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
