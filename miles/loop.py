@@ -22,6 +22,7 @@ from miles.evaluate import evaluate
 from miles.model_io import load_model
 from miles.sample import Sample, SampleStatus
 from miles.tracking import Tracker, redact
+from miles.utilization import busy_meter
 
 log = logging.getLogger("miles.loop")
 
@@ -124,6 +125,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps, tokenizer)
     last: dict[str, float] = {}
+    busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
 
     def run_eval() -> dict[str, float]:
         metrics, _ = evaluate(engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
@@ -134,6 +136,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             tracker.log_step(0, {**run_eval(), "data/dropped_prompts": float(dropped)})
         for step in range(1, cfg.trainer.max_steps + 1):
             step_start = time.perf_counter()
+            if busy is not None:
+                busy[1].start()
             params.seed = cfg.rollout.seed * 1_000_003 + step
             t = time.perf_counter()
             batch = [replace(p, group_id=i) for i, p in enumerate(loader.next_batch())]
@@ -170,11 +174,15 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
                 is_last and cfg.trainer.save_final
             ):
                 save_checkpoint(model, tokenizer, run_dir, step)
+            if busy is not None and (fraction := busy[1].stop()) is not None:
+                metrics[busy[0]] = fraction
             metrics["time/step"] = time.perf_counter() - step_start
             tracker.log_samples(step, samples)
             tracker.log_step(step, metrics)
             last = metrics
     finally:
+        if busy is not None:
+            busy[1].stop()
         tracker.close()
         rewards.close()
     return last

@@ -38,6 +38,7 @@ ISSUE3_METRICS = [
     "time/train",
     "time/sync",
     "time/step",
+    "util/cpu_busy_frac",  # the CPU run's form of util/gpu_busy_frac (miles/utilization.py)
     "eval/accuracy",
 ]
 
@@ -90,6 +91,7 @@ def test_grpo_math_short_run_writes_everything(tmp_path: Path) -> None:
     missing = [name for name in ISSUE3_METRICS if name not in final]
     assert not missing, missing
     assert final["sync/checksum_ok"] == 1.0
+    assert 0.0 < final["util/cpu_busy_frac"] <= 1.0
     assert final["mismatch/logprob_abs_diff_max"] < 1e-3  # same model, same float32 weights on both sides
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert rows and {"prompt", "response", "reward", "label"} <= set(rows[0])
