@@ -168,6 +168,9 @@ class TrainerConfig:
     """Write an HF checkpoint every N steps (0: only at the end)."""
     save_final: bool = True
     """Write an HF checkpoint at the end."""
+    resume_from: str = ""
+    """Resume an RL run: a checkpoints/step_N folder, a run folder (its latest step), or `auto` (the latest
+    step of the newest run of this recipe). Checkpoints carry the optimizer and loader state (miles/resume.py)."""
     eval_every: int = 10
     """Greedy eval on the held-out split every N steps (0 disables; always at start and end when on)."""
     eval_max_new_tokens: int | None = None

@@ -215,3 +215,27 @@ class PromptLoader:
     def __iter__(self) -> Iterator[list[Sample]]:
         while True:
             yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able position: epoch, order, next index and the shuffle RNG's state."""
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "epoch": self.epoch,
+            "order": list(self._order),
+            "pos": self._pos,
+            "rng": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["order"]) != len(self.prompts):
+            raise MilesUserError(
+                f"the checkpoint's prompt loader held {len(state['order'])} prompts and this run has "
+                f"{len(self.prompts)}: resume with the data settings the run started with"
+            )
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.epoch, self._order, self._pos = (
+            int(state["epoch"]),
+            [int(i) for i in state["order"]],
+            int(state["pos"]),
+        )

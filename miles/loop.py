@@ -10,6 +10,7 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ import torch
 
 from miles.config import MilesConfig
 from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
+from miles.errors import MilesUserError
 from miles.evaluate import evaluate
 from miles.model_io import load_model
+from miles.resume import find_checkpoint, read_run_state, restore_rng, write_run_state
 from miles.sample import Sample, SampleStatus
 from miles.tracking import Tracker, redact
 from miles.utilization import busy_meter
@@ -59,10 +62,17 @@ def rollout_metrics(samples: list[Sample], max_new_tokens: int) -> dict[str, flo
     }
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer: object, run_dir: Path, step: int) -> Path:
+def save_checkpoint(
+    model: torch.nn.Module,
+    tokenizer: object,
+    run_dir: Path,
+    step: int,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
     from miles.models import save_pretrained
 
-    return save_pretrained(model, run_dir / "checkpoints" / f"step_{step:06d}", tokenizer=tokenizer)
+    folder = run_dir / "checkpoints" / f"step_{step:06d}"
+    return save_pretrained(model, folder, tokenizer=tokenizer, write_extra=write_extra)
 
 
 @dataclass
@@ -87,6 +97,28 @@ def prepare_inputs(cfg: MilesConfig) -> RunInputs:
     test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
     eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
     return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos)
+
+
+def resume_run(
+    spec: str, run_dir: Path, max_steps: int, model: Any, trainer: Any, loader: PromptLoader
+) -> int:
+    """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run;
+    returns the step it finished."""
+    from miles.models.checkpoint import iter_hf_tensors, load_state_into
+
+    folder = find_checkpoint(spec, run_dir)
+    state = read_run_state(folder)
+    with torch.no_grad():
+        load_state_into(model, iter_hf_tensors(folder))
+    trainer.load_state_dict(state.trainer)
+    if max_steps != state.max_steps:
+        # A longer (or shorter) run: the cosine schedule is re-sized to it from the current position.
+        log.info("trainer.max_steps %d -> %d: the LR schedule is re-sized", state.max_steps, max_steps)
+        trainer.total_optimizer_steps = None
+    loader.load_state_dict(state.loader)
+    restore_rng(state)
+    log.info("resumed from %s (step %d)", folder, state.step)
+    return state.step
 
 
 def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
@@ -126,15 +158,32 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps, tokenizer)
     last: dict[str, float] = {}
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
+    first_step = 1
+    if cfg.trainer.resume_from:
+        resume = cfg.trainer.resume_from
+        first_step = resume_run(resume, run_dir, cfg.trainer.max_steps, model, trainer, loader) + 1
+        if first_step > cfg.trainer.max_steps:
+            raise MilesUserError(
+                f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
+                f"{cfg.trainer.max_steps}; raise trainer.max_steps to train further"
+            )
+        result = sync.sync(version=first_step - 1)  # the engine serves the checkpoint's weights from here on
+        if not result.checksum_ok:
+            raise RuntimeError(f"weight sync checksum mismatch after resuming: {result.mismatched[:5]}")
+
+    def write_resume_state(step: int) -> Callable[[Path], None]:
+        return lambda folder: write_run_state(
+            folder, step, cfg.trainer.max_steps, trainer.state_dict(), loader.state_dict()
+        )
 
     def run_eval() -> dict[str, float]:
         metrics, _ = evaluate(engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
         return metrics
 
     try:
-        if cfg.trainer.eval_every and test_prompts:
+        if cfg.trainer.eval_every and test_prompts and first_step == 1:
             tracker.log_step(0, {**run_eval(), "data/dropped_prompts": float(dropped)})
-        for step in range(1, cfg.trainer.max_steps + 1):
+        for step in range(first_step, cfg.trainer.max_steps + 1):
             step_start = time.perf_counter()
             if busy is not None:
                 busy[1].start()
@@ -173,7 +222,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
                 is_last and cfg.trainer.save_final
             ):
-                save_checkpoint(model, tokenizer, run_dir, step)
+                save_checkpoint(model, tokenizer, run_dir, step, write_resume_state(step))
             if busy is not None and (fraction := busy[1].stop()) is not None:
                 metrics[busy[0]] = fraction
             metrics["time/step"] = time.perf_counter() - step_start

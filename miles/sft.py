@@ -48,6 +48,11 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.rollout import Engine
     from miles.trainer import TorchTrainer
 
+    if cfg.trainer.resume_from:
+        raise MilesUserError(
+            "trainer.resume_from resumes RL runs; an SFT run starts from a checkpoint's weights with "
+            "model.path=<checkpoints/step_N>"
+        )
     inputs = prepare_inputs(cfg)
     model, tokenizer, eos, test_prompts = (
         inputs.model,

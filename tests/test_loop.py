@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ISSUE3_METRICS = [
     "step",
@@ -43,7 +44,9 @@ ISSUE3_METRICS = [
 ]
 
 
-def run_miles(tmp_path: Path, *overrides: str, wandb: bool = False) -> subprocess.CompletedProcess:
+def run_miles(
+    tmp_path: Path, *overrides: str, wandb: bool = False, run_dir: Path | None = None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline" if wandb else "disabled", "WANDB_SILENT": "true"}
     env.pop("WANDB_API_KEY", None)
     return subprocess.run(
@@ -53,7 +56,7 @@ def run_miles(tmp_path: Path, *overrides: str, wandb: bool = False) -> subproces
             "miles",
             "train",
             *overrides,
-            f"hydra.run.dir={tmp_path / 'run'}",
+            f"hydra.run.dir={run_dir or tmp_path / 'run'}",
             "logging.progress=false",
             f"logging.wandb={'true' if wandb else 'false'}",
         ],
@@ -120,6 +123,62 @@ def test_user_reward_by_dotted_path_and_errors_counted(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["reward/errors"] == 2.0  # index 0 of each of the two groups raised
     assert record["reward/mean"] > 0
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Resumed from its step-2 checkpoint, a run's steps 3 and 4 are the uninterrupted run's, bit for bit
+    (weights, optimizer moments, schedule, loader position, seeds); `auto` takes the latest step of the
+    newest run of the recipe."""
+    from safetensors.torch import load_file
+
+    common = [
+        "recipe=grpo_math",
+        "trainer.max_steps=4",
+        "trainer.save_every=2",
+        "trainer.eval_every=0",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "trainer.global_batch_size=8",  # two optimizer steps a rollout: the schedule position matters
+        "trainer.optim.schedule=cosine",
+    ]
+    runs = tmp_path / "outputs" / "grpo_math"
+    whole, resumed = runs / "whole", runs / "resumed"
+    out = run_miles(tmp_path, *common, run_dir=whole)
+    assert out.returncode == 0, out.stderr[-3000:]
+    step2 = whole / "checkpoints" / "step_000002"
+    assert (step2 / "resume" / "run_state.json").is_file()
+    assert (step2 / "resume" / "trainer_state.safetensors").is_file()
+    out = run_miles(tmp_path, *common, f"trainer.resume_from={step2}", run_dir=resumed)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    def records(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert [r["step"] for r in records(resumed)] == [3, 4]
+    for mine, theirs in zip(records(resumed), records(whole)[2:], strict=True):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "train/lr", "response_length/mean"):
+            assert mine[key] == theirs[key], (mine["step"], key)
+    final_whole = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
+    final_resumed = load_file(str(resumed / "checkpoints" / "step_000004" / "model.safetensors"))
+    assert final_whole.keys() == final_resumed.keys()
+    assert all(torch.equal(final_whole[k], final_resumed[k]) for k in final_whole)
+
+    # `auto`: the newest run's latest step (the resumed run's step 4), which already reached max_steps.
+    out = run_miles(tmp_path, *common, "trainer.resume_from=auto", run_dir=runs / "again")
+    assert out.returncode == 2 and "already finished step 4" in out.stderr, out.stderr[-2000:]
+    # Going on past the old max_steps: the cosine schedule is re-sized from where it was (kept, it would
+    # sit at its floor, lr * min_lr_ratio = 1e-5, from step 4 on).
+    assert records(resumed)[-1]["train/lr"] == pytest.approx(1e-5)
+    longer = [*common[:1], "trainer.max_steps=6", *common[2:]]
+    out = run_miles(tmp_path, *longer, "trainer.resume_from=auto", run_dir=runs / "longer")
+    assert out.returncode == 0, out.stderr[-3000:]
+    fifth, sixth = records(runs / "longer")
+    assert (fifth["step"], sixth["step"]) == (5, 6)
+    assert fifth["train/lr"] > 1.5e-5 and sixth["train/lr"] == pytest.approx(1e-5)
+    # A checkpoint without the trainer's state says how to start from its weights instead.
+    (step2 / "resume" / "run_state.json").unlink()
+    out = run_miles(tmp_path, *common, f"trainer.resume_from={step2}", run_dir=runs / "bad")
+    assert out.returncode == 2 and f"model.path={step2}" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -214,11 +214,13 @@ def save_pretrained(
     max_shard_bytes: int = 2 * 1024**3,
     tokenizer_dir: str | Path | None = None,
     tokenizer: object | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) atomically.
 
     The folder is assembled next to its destination and renamed into place, so a crash never leaves a
-    half-written checkpoint under the final name.
+    half-written checkpoint under the final name. `write_extra(folder)` adds files of its own (a run's
+    resume state) before the rename.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,6 +255,8 @@ def save_pretrained(
             copy_tokenizer_files(tokenizer_dir, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        if write_extra is not None:
+            write_extra(tmp)
         _apply_umask(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
