@@ -399,7 +399,7 @@ class Engine:
         if self.speculative:
             self._propose_drafts()
         plan = self.scheduler.schedule(in_flight=self._in_flight is not None)
-        self._maybe_stalled = len(plan.chunks) < len(self.scheduler.running)
+        self._maybe_stalled = plan.stalled_waiting or len(plan.chunks) < len(self.scheduler.running)
         self.stats.preemptions += len(plan.retracted)
         if plan.failed:
             finished.extend(self._resolve())

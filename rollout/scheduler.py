@@ -57,6 +57,9 @@ class StepPlan:
     plain_decode: bool = False
     """Every chunk feeds one running request's newest output token (no prompt token, no drafts, nothing
     admitted)."""
+    stalled_waiting: bool = False
+    """A waiting request was passed over because it cannot grow (its max_new_tokens was lowered to its output
+    while it waited, after a retraction): the engine ends it instead of recomputing it first."""
 
     @functools.cached_property
     def is_decode(self) -> bool:
@@ -307,6 +310,9 @@ class Scheduler:
             if len(self.running) >= self.cfg.max_running_requests or self.kv.table.num_free == 0:
                 break
             if req.abort_requested:
+                continue
+            if not req.can_grow:
+                plan.stalled_waiting = True
                 continue
             leader = _leader_of(req, leaders) if leaders else None
             if leader is not None:

@@ -634,6 +634,38 @@ def test_a_lowered_limit_ends_its_request_while_others_run() -> None:
     assert_pool_clean(engine)
 
 
+def test_a_limit_lowered_while_waiting_ends_the_request_without_recomputing_it() -> None:
+    """A retracted request whose max_new_tokens is lowered to at most its output while it waits is not
+    re-admitted (its prompt and output prefilled again, one more token sampled) only to be cut: it ends at
+    the next step, TRUNCATED, and only the other request is recomputed."""
+    model = tiny_model(False, seed=1)
+    engine = Engine(model, None, config(radix_cache=False))
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
+    lowered, other = params.with_(), params.with_()
+    engine.add_request([5, 6, 7, 8, 9], lowered, group_id=0, index=0)
+    engine.add_request([5, 6, 7, 8, 10], other, group_id=1, index=0)
+    for _ in range(12):
+        engine.step()
+    engine._drain()
+    engine.scheduler.retract_all()  # both wait, with their outputs so far
+    (waiting_other,) = [r for r in engine.scheduler.waiting if r.params is other]
+    recompute = waiting_other.seq_len  # without a radix cache: its prompt and output, all of them
+    lowered.max_new_tokens = 3
+    computed = engine.stats.prefill_tokens
+    ended: dict[int, tuple[int, Sample]] = {}
+    for step in range(80):
+        for sample in engine.step():
+            ended[sample.group_id] = (step, sample)
+        if not engine.has_unfinished:
+            break
+    (step_lowered, cut), (_, full) = ended[0], ended[1]
+    assert step_lowered <= 2
+    assert cut.status == SampleStatus.TRUNCATED and len(cut.response_ids) == len(cut.rollout_logprobs) == 3
+    assert len(full.response_ids) == 40
+    assert engine.stats.prefill_tokens - computed == recompute
+    assert_pool_clean(engine)
+
+
 def test_a_stop_token_past_the_lowered_limit_truncates() -> None:
     """Overlap scheduling: the step in flight when the limit is lowered may sample a stop token past it;
     the request still ends TRUNCATED with the tokens up to the limit."""
