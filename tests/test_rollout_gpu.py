@@ -423,14 +423,15 @@ def test_fused_kernels_match_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> 
     assert kernel_calls and all(kernel_calls) and fused_norm_rope.kernel.on
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int) -> None:
+@pytest.mark.parametrize(("page_size", "moe"), [(1, False), (16, False), (16, True)])
+def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int, moe: bool) -> None:
     """n-gram verify steps replayed as CUDA graphs (drafts padded to spec_draft_tokens, flashinfer's decode
     wrapper planned with several query rows per request) give plain decoding's tokens; so do eager verify
-    steps (CUDA graphs off: flashinfer's prefill kernel)."""
-    model = gpu_model(moe=False, seed=7)
-    params = GREEDY.with_(n=2, max_new_tokens=32)
-    cfg = config(backend="flashinfer", cuda_graph=True, page_size=page_size)
+    steps (CUDA graphs off: flashinfer's prefill kernel). MoE: the fused router over a verify graph's padded
+    rows, and the experts it records for routing replay."""
+    model = gpu_model(moe=moe, seed=7)
+    params = GREEDY.with_(n=2, max_new_tokens=32, return_routing=moe)
+    cfg = config(backend="flashinfer", cuda_graph=True, page_size=page_size, record_routing=moe)
     plain = Engine(model, None, cfg).generate(PROMPTS, params)
     engine = Engine(model, None, replace(cfg, speculative="ngram", spec_draft_tokens=3))
     graphs = engine.runner.graphs
@@ -448,9 +449,13 @@ def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int) -> 
     # Every verify step replayed a graph: 3 drafts (padded) per request and step, all through one.
     assert replayed and metrics["rollout/spec_draft_tokens"] == 3 * sum(replayed), (replayed, metrics)
     assert metrics["rollout/spec_accepted_tokens"] > 0
-    assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
+    assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05, near_tie=0.5 if moe else NEAR_TIE)
+    for sample in spec if moe else []:
+        routed = sample.routed_experts
+        assert routed is not None and len(routed) == len(sample.prompt_ids) + len(sample.response_ids) - 1
+        assert all(0 <= e < model.args.num_experts for token in routed for layer in token for e in layer)
     eager = Engine(model, None, replace(cfg, cuda_graph=False, speculative="ngram")).generate(PROMPTS, params)
-    assert_agree_until_near_tie(model, plain, eager, logprob_tol=0.05)
+    assert_agree_until_near_tie(model, plain, eager, logprob_tol=0.05, near_tie=0.5 if moe else NEAR_TIE)
 
 
 def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
