@@ -10,17 +10,12 @@ kwargs, then called). The calling convention is read from the signature:
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from miles import plugins
 from miles.errors import MilesUserError
 from miles.sample import Sample
 
@@ -62,26 +57,6 @@ class RewardFunction:
     """verl styles: whether the function takes extra_info(s)."""
 
 
-def _load_file_module(path: str) -> ModuleType:
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise RewardConfigError(f"reward file {path} does not exist (spec form: path/to/file.py:function)")
-    name = "miles_reward_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, file)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardConfigError(f"cannot import {file} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise RewardConfigError(f"importing reward file {file} failed: {type(e).__name__}: {e}") from e
-    return module
-
-
 def normalize_spec(spec: str) -> str:
     """Built-in names become their module path; file paths become absolute (workers may run elsewhere)."""
     spec = str(spec).strip()
@@ -92,35 +67,12 @@ def normalize_spec(spec: str) -> str:
             f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTINS)}), a dotted path 'package.module:function' "
             "or a file path 'path/to/file.py:function'"
         )
-    location, attr = spec.rsplit(":", 1)
-    if not attr.isidentifier():
-        raise RewardConfigError(f"reward spec {spec!r}: {attr!r} after ':' is not a Python name")
-    if location.endswith(".py") or "/" in location:
-        return f"{Path(location).expanduser().resolve()}:{attr}"
-    return spec
+    return plugins.normalize(spec, "reward", RewardConfigError)
 
 
 def load_target(target: str) -> Any:
     """The function / class a normalized spec names."""
-    location, attr = target.rsplit(":", 1)
-    if location.endswith(".py") or "/" in location:
-        module = _load_file_module(location)
-    else:
-        try:
-            module = importlib.import_module(location)
-        except ModuleNotFoundError as e:
-            raise RewardConfigError(
-                f"cannot import reward module {location!r} ({e}); is it installed / on "
-                "PYTHONPATH? A file can be given as path/to/file.py:function"
-            ) from e
-        except Exception as e:
-            raise RewardConfigError(
-                f"importing reward module {location!r} failed: {type(e).__name__}: {e}"
-            ) from e
-    if not hasattr(module, attr):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise RewardConfigError(f"{location} has no {attr!r}; callables there: {public[:20]}")
-    return getattr(module, attr)
+    return plugins.load(target, "reward", RewardConfigError)
 
 
 def _call_parameters(target: Any) -> list[inspect.Parameter]:
