@@ -123,7 +123,10 @@ class RolloutConfig:
     record_routing: bool = False
     """Record MoE expert choices per token (for routing replay)."""
     generate_fn: str | None = None
-    """Custom multi-turn generate plugin `pkg.mod:func`; None uses single-turn generation."""
+    """Multi-turn generate plugin (`pkg.mod:func` or `path/file.py:func`, an `async def generate(client,
+    sample, params)`, rollout/multiturn.py); None: single-turn generation."""
+    generate_timeout_s: float = 0.0
+    """A generate plugin call running longer costs its sample (aborted); 0: no limit."""
 
 
 @dataclass

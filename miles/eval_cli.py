@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig())
     with RewardRunner(RewardConfig(fn=args.reward, num_workers=0)) as rewards:
         eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
-        metrics, _ = evaluate(engine, rewards, prompts, args.max_new_tokens, eos, [])
+        metrics, _ = evaluate(engine.generate, rewards, prompts, args.max_new_tokens, eos, [])
     metrics["eval/dropped_prompts"] = float(dropped)
     print(json.dumps({"model": args.model, **metrics}))
     return 0

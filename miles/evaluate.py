@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from miles.sample import Sample
 
 
 def evaluate(
-    engine: object,
+    generate: Callable[[list[Sample], Any], list[Sample]],
     rewards: object,
     prompts: list[Sample],
     max_new_tokens: int,
@@ -23,7 +25,7 @@ def evaluate(
     params = SamplingParams(
         n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, stop=stop
     )
-    samples = engine.generate(prompts, params)
+    samples = generate(prompts, params)  # Engine.generate, or a generate plugin's (rollout.generate_fn)
     reward_metrics = rewards.score(samples)
     correct = sum(1 for s in samples if s.reward > 0.5)
     return {

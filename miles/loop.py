@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from miles import plugins
 from miles.config import MilesConfig
 from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
 from miles.errors import MilesUserError
@@ -124,6 +125,7 @@ def resume_run(
 def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.rewards import RewardRunner
     from miles.rollout import Engine, SamplingParams
+    from miles.rollout.multiturn import MultiTurnRollout
     from miles.trainer import TorchTrainer
     from miles.trainer.algorithms import compute_advantages
     from miles.weight_sync import InProcessWeightSync
@@ -138,6 +140,12 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
         ref_model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed).model
         ref_model.requires_grad_(False)
     engine = Engine(model, tokenizer, cfg.rollout)
+    generate, multiturn = engine.generate, None
+    if cfg.rollout.generate_fn:
+        spec = plugins.normalize(cfg.rollout.generate_fn, "rollout.generate_fn")
+        fn = plugins.load(spec, "rollout.generate_fn")
+        multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
+        generate = multiturn.generate
     trainer = TorchTrainer(
         model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model
     )
@@ -177,7 +185,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
         )
 
     def run_eval() -> dict[str, float]:
-        metrics, _ = evaluate(engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
+        metrics, _ = evaluate(generate, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
         return metrics
 
     try:
@@ -190,9 +198,11 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             params.seed = cfg.rollout.seed * 1_000_003 + step
             t = time.perf_counter()
             batch = [replace(p, group_id=i) for i, p in enumerate(loader.next_batch())]
-            samples = engine.generate(batch, params)
+            samples = generate(batch, params)
             metrics: dict[str, float] = {"time/rollout": time.perf_counter() - t}
             metrics.update(engine.metrics())
+            if multiturn is not None:
+                metrics.update(multiturn.metrics())
 
             t = time.perf_counter()
             metrics.update(rewards.score(samples))

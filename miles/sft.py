@@ -89,7 +89,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
                 engine.update_weights([], step)
                 eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
                 eval_metrics, _ = evaluate(
-                    engine, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop)
+                    engine.generate, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop)
                 )
                 metrics.update(eval_metrics)
             if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -55,3 +57,27 @@ def hf_logq(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
     if min_p > 0:
         scores = MinPLogitsWarper(min_p)(None, scores)
     return torch.log_softmax(scores[0], dim=-1)
+
+
+def full_forward_logprobs(
+    model: CausalLM,
+    prompt: list[int],
+    response: list[int],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response]))[0, len(prompt) - 1 : -1]
+    rows = [hf_logq(row, temperature, top_k, top_p, min_p)[token] for row, token in zip(logits, response)]
+    return torch.stack(rows)
+
+
+def assert_pool_clean(engine: Any) -> None:
+    """Nothing leaked: every slot is free or held (unlocked) by the radix tree; every table row is free."""
+    tree = engine.kv.tree
+    cached = tree.total_size if tree is not None else 0
+    assert engine.pool.free_tokens + cached == engine.pool.capacity_tokens
+    assert tree is None or tree.protected_size == 0
+    assert engine.kv.table.num_free == engine.kv.table.max_requests

@@ -125,6 +125,39 @@ def test_user_reward_by_dotted_path_and_errors_counted(tmp_path: Path) -> None:
     assert record["reward/mean"] > 0
 
 
+def test_a_multi_turn_generate_plugin_trains_on_its_model_turns(tmp_path: Path) -> None:
+    """rollout.generate_fn: a two-turn plugin (a fixed "tool" reply between the turns) drives rollout and
+    eval; the tool's tokens are masked, so the trainer's logprobs still match the engine's."""
+    plugin = tmp_path / "tool_plugin.py"
+    plugin.write_text(
+        "from miles.rollout.multiturn import Trajectory\n"
+        "async def generate(client, sample, params):\n"
+        "    traj = Trajectory(sample)\n"
+        "    traj.add_turn(await client.generate(traj.ids, params.with_(max_new_tokens=8)))\n"
+        "    traj.add_tokens(client.encode(' so'))\n"
+        "    traj.add_turn(await client.generate(traj.ids, params))\n"
+        "    return traj.to_sample(client.tokenizer)\n"
+    )
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        "trainer.max_steps=2",
+        "trainer.eval_every=2",
+        "data.test_size=8",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "trainer.global_batch_size=16",
+        f"rollout.generate_fn={plugin}:generate",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["rollout/generate_errors"] == 0.0 and "eval/accuracy" in final
+    assert final["mismatch/logprob_abs_diff_max"] < 1e-3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert rows and all(" so" in row["response"] for row in rows)
+
+
 def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
     """Resumed from its step-2 checkpoint, a run's steps 3 and 4 are the uninterrupted run's, bit for bit
     (weights, optimizer moments, schedule, loader position, seeds); `auto` takes the latest step of the

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from rollout_helpers import hf_logq, rollout_config, tiny_model
+from rollout_helpers import assert_pool_clean, full_forward_logprobs, rollout_config, tiny_model
 from transformers import AutoModelForCausalLM
 
 from miles.config import RolloutConfig
@@ -74,15 +74,6 @@ def model_and_hf_greedy(request: pytest.FixtureRequest, tmp_path_factory: pytest
     return model, expected
 
 
-def assert_pool_clean(engine: Engine) -> None:
-    """Nothing leaked: every slot is free or held (unlocked) by the radix tree; every table row is free."""
-    tree = engine.kv.tree
-    cached = tree.total_size if tree is not None else 0
-    assert engine.pool.free_tokens + cached == engine.pool.capacity_tokens
-    assert tree is None or tree.protected_size == 0
-    assert engine.kv.table.num_free == engine.kv.table.max_requests
-
-
 SETUPS = {
     "plain": {},
     "tiny_pool_preempts": {"pool_tokens": 60},
@@ -122,21 +113,6 @@ def test_greedy_matches_transformers(model_and_hf_greedy, radix: bool, setup: st
         assert metrics["rollout/spec_accepted_tokens"] > 0 and metrics["rollout/spec_accept_length"] > 1
     if radix:  # the second round finds its prompts cached unless the tiny pool evicted them
         assert metrics["rollout/prefix_hit_rate"] > (0.2 if pool_tokens else 0.5)
-
-
-def full_forward_logprobs(
-    model: CausalLM,
-    prompt: list[int],
-    response: list[int],
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response]))[0, len(prompt) - 1 : -1]
-    rows = [hf_logq(row, temperature, top_k, top_p, min_p)[token] for row, token in zip(logits, response)]
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe"])

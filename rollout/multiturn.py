@@ -1,0 +1,237 @@
+"""Multi-turn rollouts (tools, environments, agents): `rollout.generate_fn`.
+
+A generate plugin is `async def generate(client, sample, params) -> Sample | list[Sample]`, called once per
+sample (`n` times per prompt, `sample.index` 0..n-1). `client.generate(ids, params)` runs one model turn on
+the embedded engine, token ids in, a `Sample` of the new tokens out (with their logprobs); between turns the
+plugin appends what the environment says (a tool's output, a user message) as tokens. `Trajectory` assembles
+the result: the model's tokens train (`loss_mask` 1, the engine's logprobs), the environment's do not
+(`loss_mask` 0). A turn's prompt repeats the conversation so far, which the radix cache already holds, so
+only the new tokens are computed.
+
+Every plugin call of a batch runs as a coroutine on one event loop, and one driver steps the engine while any
+of them waits for a turn: turns of different samples share engine steps (continuous batching). A plugin that
+blocks (a slow tool called without `await`) holds up every sample's turns; run such a tool in
+`asyncio.to_thread`. A plugin that raises or runs past `rollout.generate_timeout_s` costs its sample (status
+aborted, `metadata["error"]`, counted in `rollout/generate_errors`), never the batch.
+
+Turn t of a sample samples with seed `derive_seed(params.seed, t)` for t > 0 (turn 0 with `params.seed`
+itself, as single-turn generation would), so a rollout is reproducible and its turns draw independently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from miles.rollout.params import SamplingParams
+from miles.rollout.sampling import derive_seed
+from miles.sample import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[["EngineClient", Sample, SamplingParams], Awaitable["Sample | list[Sample]"]]
+
+
+@dataclass
+class Trajectory:
+    """A multi-turn sample being built: the prompt, then model turns (trained on) and environment tokens."""
+
+    prompt: Sample
+    response_ids: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    status: SampleStatus = SampleStatus.COMPLETED
+    """The last model turn's (TRUNCATED when it hit its length cap)."""
+    turns: int = 0
+    weight_version: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        """The conversation so far, as the next turn's prompt."""
+        return [*self.prompt.prompt_ids, *self.response_ids]
+
+    def add_turn(self, turn: Sample) -> None:
+        """A model turn from `client.generate`: its tokens train, with the engine's logprobs."""
+        self.response_ids += turn.response_ids
+        self.rollout_logprobs += turn.rollout_logprobs
+        self.loss_mask += [1] * len(turn.response_ids)
+        self.status, self.weight_version = turn.status, turn.weight_version
+        self.turns += 1
+
+    def add_tokens(self, ids: list[int]) -> None:
+        """Environment tokens (a tool's output, a user turn): in the context, not trained on."""
+        self.response_ids += [int(t) for t in ids]
+        self.rollout_logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+
+    def to_sample(self, tokenizer: Any = None) -> Sample:
+        text = tokenizer.decode(self.response_ids, skip_special_tokens=True) if tokenizer is not None else ""
+        return replace(
+            self.prompt,
+            response_ids=list(self.response_ids),
+            response_text=text,
+            rollout_logprobs=list(self.rollout_logprobs),
+            loss_mask=list(self.loss_mask),
+            status=self.status,
+            weight_version=self.weight_version,
+            metadata={**self.prompt.metadata, "turns": self.turns},
+        )
+
+
+class EngineClient:
+    """One sample's access to the embedded engine from its generate plugin."""
+
+    def __init__(self, rollout: MultiTurnRollout, sample: Sample) -> None:
+        self._rollout, self._sample = rollout, sample
+        self._turns = 0
+        self.rids: list[int] = []
+        """Its requests so far (the driver aborts those still running when the plugin fails)."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._rollout.engine.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a turn's prompt and response may hold together."""
+        return self._rollout.engine.max_context
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids (client.generate takes ids)")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer to decode with")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
+        """One model turn after `prompt_ids`: a Sample whose response is the new tokens (status aborted with
+        `metadata["error"]` if the engine refused the prompt, e.g. longer than the model's context)."""
+        turn, self._turns = self._turns, self._turns + 1
+        seed = params.seed if params.seed is None or turn == 0 else derive_seed(params.seed, turn)
+        return await self._rollout._submit(self, prompt_ids, params.with_(n=1, seed=seed), self._sample)
+
+
+class MultiTurnRollout:
+    """`generate(prompts, params)` through a generate plugin, the drop-in for `Engine.generate`."""
+
+    def __init__(self, engine: Any, generate_fn: GenerateFn, timeout_s: float = 0.0) -> None:
+        if not inspect.iscoroutinefunction(generate_fn) and not inspect.iscoroutinefunction(
+            getattr(generate_fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+        ):
+            raise ValueError(
+                "rollout.generate_fn must be an async function: async def generate(client, sample, params)"
+            )
+        self.engine, self.fn, self.timeout_s = engine, generate_fn, timeout_s
+        self.errors = 0
+        """Samples lost to a failing or timed-out plugin since the last `metrics()`."""
+        self._pending: dict[int, asyncio.Future[Sample]] = {}
+
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        """`len(prompts) * params.n` samples, prompt-major (more where a plugin returns several per call)."""
+        return asyncio.run(self._run(prompts, params))
+
+    def metrics(self) -> dict[str, float]:
+        errors, self.errors = self.errors, 0
+        return {"rollout/generate_errors": float(errors)}
+
+    async def _run(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        one = params.with_(n=1)
+        calls = [
+            asyncio.ensure_future(self._call(replace(prompt, index=index), one))
+            for prompt in prompts
+            for index in range(params.n)
+        ]
+        await self._drive(calls)
+        samples = [sample for call in calls for sample in call.result()]
+        # A group is its prompt's (advantages are per group); a call may return several samples, so the
+        # indices are counted within each group again.
+        counts: dict[int, int] = {}
+        for i, sample in enumerate(samples):
+            index = counts.get(sample.group_id, 0)
+            counts[sample.group_id] = index + 1
+            if sample.index != index:
+                samples[i] = replace(sample, index=index)
+        return samples
+
+    async def _submit(
+        self, client: EngineClient, prompt_ids: list[int], params: SamplingParams, sample: Sample
+    ) -> Sample:
+        rid = self.engine.add_request(
+            prompt_ids, params, group_id=sample.group_id, index=sample.index, source=sample
+        )
+        client.rids.append(rid)
+        future: asyncio.Future[Sample] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        return await future
+
+    async def _drive(self, calls: list[asyncio.Future[list[Sample]]]) -> None:
+        """Step the engine while a turn waits; let the plugins run between steps. Goes on until every request
+        has come back, those of failed plugins included, so the engine is left empty."""
+        idle_steps = 0
+        while self._pending or not all(call.done() for call in calls):
+            if not self._pending:
+                await asyncio.sleep(0.001)  # the plugins are between turns (a tool, I/O)
+                continue
+            self.engine.step()
+            resolved = False
+            for rid in list(self._pending):
+                result = self.engine.take_result(rid)
+                if result is not None:
+                    future = self._pending.pop(rid)
+                    if not future.done():  # cancelled with its plugin (a timeout)
+                        future.set_result(result)
+                    resolved = True
+            idle_steps = 0 if resolved or self.engine.has_unfinished else idle_steps + 1
+            if idle_steps > 100:
+                raise RuntimeError(
+                    "rollout engine made no progress on a generate plugin's turn; please report it"
+                )
+            await asyncio.sleep(0)
+
+    async def _call(self, sample: Sample, params: SamplingParams) -> list[Sample]:
+        client = EngineClient(self, sample)
+        try:
+            call = self.fn(client, sample, params)
+            out = await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s > 0 else call)
+            return self._checked(out, sample)
+        except Exception as err:  # the plugin's failure costs its sample, never the batch
+            for rid in client.rids:
+                self.engine.abort(rid)
+            self.errors += 1
+            reason = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+            log.warning(
+                "generate plugin failed on group %d sample %d: %s", sample.group_id, sample.index, reason
+            )
+            return [
+                replace(
+                    sample,
+                    response_ids=[],
+                    response_text="",
+                    rollout_logprobs=[],
+                    loss_mask=[],
+                    status=SampleStatus.ABORTED,
+                    metadata={**sample.metadata, "error": f"generate plugin: {reason}"},
+                )
+            ]
+
+    def _checked(self, out: Sample | list[Sample], sample: Sample) -> list[Sample]:
+        samples = [out] if isinstance(out, Sample) else list(out) if isinstance(out, list | tuple) else None
+        if not samples or not all(isinstance(s, Sample) for s in samples):
+            raise TypeError(
+                f"a generate plugin returns a Sample or a non-empty list of them, not {type(out).__name__}"
+            )
+        for s in samples:
+            n = len(s.response_ids)
+            if len(s.rollout_logprobs) != n or (s.loss_mask and len(s.loss_mask) != n):
+                raise ValueError(
+                    f"a returned sample has {n} response tokens, {len(s.rollout_logprobs)} logprobs and "
+                    f"{len(s.loss_mask)} loss_mask entries; build it with Trajectory, which keeps them aligned"
+                )
+        return [s if s.group_id == sample.group_id else replace(s, group_id=sample.group_id) for s in samples]
