@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("miles.train_cli:main", "run a recipe: miles train recipe=grpo_math [key=value ...]"),
     "generate": ("miles.generate_cli:main", "prompts file -> completions through the rollout engine"),
     "eval": ("miles.eval_cli:main", "greedy accuracy of a checkpoint on a held-out set"),
+    "serve": ("miles.serve_cli:main", "the rollout engine behind an OpenAI-compatible API (127.0.0.1)"),
     "reward": ("miles.rewards.cli:main", "score a jsonl of samples with any reward function"),
     "bench": ("", "benchmarks: miles bench rollout|reward|attention|layers|moe ..."),
     "init-model": ("miles.models.init_model:main", "write a random-initialised HF checkpoint + tokenizer"),

@@ -1,0 +1,70 @@
+"""`miles serve --model PATH`: the rollout engine behind an OpenAI-compatible HTTP API (rollout/server.py).
+
+Binds 127.0.0.1 unless `--host` says otherwise. With `--api-key-env NAME`, the key is read from that
+environment variable (never from the command line, which other users can see) and every request must send
+`Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from miles.config import DataConfig, RolloutConfig
+from miles.errors import MilesUserError
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="miles serve", description=__doc__)
+    parser.add_argument("--model", required=True, help="checkpoint folder, builtin:NAME or init:ARCH:PRESET")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the `model` clients send (default: --model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-running-requests", type=int, default=RolloutConfig.max_running_requests)
+    parser.add_argument("--kv-cache-fraction", type=float, default=RolloutConfig.kv_cache_fraction)
+    parser.add_argument("--system-prompt", default=None, help="prepended to chat requests without one")
+    args = parser.parse_args(argv)
+
+    from miles.data import PromptFormatter
+    from miles.loop import set_cpu_threads
+    from miles.model_io import load_model
+    from miles.rollout import Engine
+    from miles.rollout.server import EngineServer
+
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            raise MilesUserError(
+                f"--api-key-env {args.api_key_env}: that environment variable is empty or unset"
+            )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_cpu_threads(1)
+    loaded = load_model(args.model, args.dtype, args.device)
+    cfg = RolloutConfig(
+        max_running_requests=args.max_running_requests, kv_cache_fraction=args.kv_cache_fraction
+    )
+    engine = Engine(loaded.model, loaded.tokenizer, cfg)
+    formatter = PromptFormatter(loaded.tokenizer, DataConfig(system_prompt=args.system_prompt))
+    try:
+        server = EngineServer(
+            engine, formatter, args.served_model_name or args.model, args.host, args.port, api_key
+        )
+    except OSError as err:
+        raise MilesUserError(
+            f"cannot listen on {args.host}:{args.port} ({err}); pick another --port"
+        ) from err
+    logging.getLogger("miles.serve").info(
+        "serving %s at %s (OpenAI API: /v1/completions, /v1/chat/completions)", server.model_name, server.url
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,448 @@
+"""An OpenAI-compatible HTTP server over the embedded engine: `miles serve`.
+
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`. One thread owns the
+engine and steps it while any request is in flight; HTTP handler threads hand it their prompts and wait,
+so concurrent requests share engine steps (continuous batching) and the radix cache. Binds 127.0.0.1 unless
+told otherwise; with an API key set, every request needs `Authorization: Bearer <key>`. Request bodies and
+keys are never logged.
+
+Beyond OpenAI's fields, a request may set `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and
+`return_token_ids` (the prompt's and each choice's token ids, for token-in/token-out clients). `logprobs`
+returns the sampled tokens' logprobs, under the distribution they were sampled from (temperature, top-p...:
+the engine's convention, docs/rollout.md), without alternatives (`top_logprobs` are empty). Not supported,
+and refused with a 400 rather than ignored: `stream`, `echo`, `suffix`, `best_of` > 1, non-zero
+`frequency_penalty` / `presence_penalty`, `logit_bias`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from miles.rollout.params import SamplingParams
+from miles.sample import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_FINISH = {SampleStatus.COMPLETED: "stop", SampleStatus.TRUNCATED: "length"}
+
+
+class RequestError(Exception):
+    """A request the server refuses: its status and an OpenAI-style error body."""
+
+    def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    params: SamplingParams
+    results: dict[tuple[int, int], Sample] = field(default_factory=dict)
+    """(prompt position, sample index) -> its sample."""
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineServer:
+    """Serves `engine` over HTTP; `start()` runs it in background threads, `serve_forever()` in this one."""
+
+    def __init__(
+        self,
+        engine: Any,
+        formatter: Any,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+    ) -> None:
+        self.engine, self.formatter, self.model_name = engine, formatter, model_name
+        self.api_key = api_key or None
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._stop = threading.Event()
+        self._engine_thread = threading.Thread(target=self._engine_loop, name="miles-engine", daemon=True)
+        self._http_thread: threading.Thread | None = None
+        self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        self.httpd.daemon_threads = True
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self._engine_thread.start()
+        self._http_thread = threading.Thread(target=self.httpd.serve_forever, name="miles-http", daemon=True)
+        self._http_thread.start()
+
+    def serve_forever(self) -> None:
+        self._engine_thread.start()
+        try:
+            self.httpd.serve_forever()
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._http_thread is not None:
+            self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._engine_thread.is_alive():
+            self._engine_thread.join(timeout=10)
+
+    # the engine's thread ----------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 3600.0) -> _Job:
+        """Called from a handler thread: queue the prompts and wait for their samples."""
+        job = _Job(prompts, params)
+        self._jobs.put(job)
+        if not job.done.wait(timeout_s):
+            raise RequestError(
+                HTTPStatus.GATEWAY_TIMEOUT, f"generation took longer than {timeout_s:.0f} s", "timeout"
+            )
+        return job
+
+    def _engine_loop(self) -> None:
+        pending: dict[int, tuple[_Job, int, int]] = {}  # rid -> (job, prompt position, sample index)
+        waiting: dict[int, int] = {}  # id(job) -> samples still to come
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.05) if not pending else self._jobs.get_nowait()
+            except queue.Empty:
+                job = None
+            while job is not None:
+                self._admit(job, pending, waiting)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = None
+            if not pending:
+                continue
+            try:
+                self.engine.step()
+            except Exception as err:  # the requests in flight fail; the server keeps serving
+                log.exception("engine step failed")
+                for failed, _, _ in pending.values():
+                    failed.error = f"engine error: {type(err).__name__}: {err}"
+                    failed.done.set()
+                self._drain_engine(list(pending))
+                pending.clear()
+                waiting.clear()
+                continue
+            for rid in list(pending):
+                sample = self.engine.take_result(rid)
+                if sample is None:
+                    continue
+                job, position, index = pending.pop(rid)
+                job.results[position, index] = sample
+                waiting[id(job)] -= 1
+                if waiting[id(job)] == 0:
+                    del waiting[id(job)]
+                    job.done.set()
+
+    def _admit(self, job: _Job, pending: dict[int, tuple[_Job, int, int]], waiting: dict[int, int]) -> None:
+        one = job.params.with_(n=1)
+        rids: list[tuple[int, int, int]] = []
+        try:
+            for position, ids in enumerate(job.prompts):
+                for index in range(job.params.n):
+                    rid = self.engine.add_request(ids, one, group_id=position, index=index)
+                    rids.append((rid, position, index))
+        except ValueError as err:  # e.g. stop strings without a tokenizer
+            job.error = str(err)
+            job.done.set()
+            self._drain_engine([rid for rid, _, _ in rids])
+            return
+        for rid, position, index in rids:
+            pending[rid] = (job, position, index)
+        waiting[id(job)] = len(rids)
+
+    def _drain_engine(self, rids: list[int]) -> None:
+        """Abort `rids` and step them out of the engine, so none of their results stays behind."""
+        for rid in rids:
+            self.engine.abort(rid)
+        left = set(rids)
+        for _ in range(100):
+            left = {rid for rid in left if self.engine.take_result(rid) is None}
+            if not left or not self.engine.has_unfinished:
+                break
+            try:
+                self.engine.step()
+            except Exception:  # still failing: give up on these results rather than loop
+                log.exception("engine step failed while dropping failed requests")
+                break
+
+    # requests --------------------------------------------------------------------------------------
+    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._check_model(body)
+        prompt = body.get("prompt")
+        prompts = self._prompt_ids(prompt)
+        job = self._generate(prompts, body, default_max_tokens=16)
+        choices = []
+        for position in range(len(prompts)):
+            for index in range(job.params.n):
+                sample = job.results[position, index]
+                choice: dict[str, Any] = {
+                    "index": len(choices),
+                    "text": sample.response_text,
+                    "finish_reason": _FINISH[sample.status],
+                    "logprobs": None,
+                }
+                if body.get("logprobs") is not None:
+                    choice["logprobs"] = {
+                        "tokens": self._token_strings(sample.response_ids),
+                        "token_logprobs": list(sample.rollout_logprobs),
+                        "top_logprobs": None,
+                        "text_offset": None,
+                    }
+                if body.get("return_token_ids"):
+                    choice["prompt_token_ids"] = list(sample.prompt_ids)
+                    choice["token_ids"] = list(sample.response_ids)
+                choices.append(choice)
+        return self._envelope("text_completion", "cmpl", choices, prompts, job)
+
+    def chat_completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list of {role, content}"
+            )
+        for m in messages:
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST, "each message needs a string 'role' and a string 'content'"
+                )
+        if self.engine.tokenizer is None:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
+            )
+        prompts = [self.formatter.ids([{"role": m["role"], "content": m["content"]} for m in messages])]
+        job = self._generate(prompts, body, default_max_tokens=None)
+        choices = []
+        for index in range(job.params.n):
+            sample = job.results[0, index]
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": sample.response_text},
+                "finish_reason": _FINISH[sample.status],
+                "logprobs": None,
+            }
+            if body.get("logprobs"):
+                tokens = self._token_strings(sample.response_ids)
+                choice["logprobs"] = {
+                    "content": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, sample.rollout_logprobs)
+                    ]
+                }
+            if body.get("return_token_ids"):
+                choice["prompt_token_ids"] = list(sample.prompt_ids)
+                choice["token_ids"] = list(sample.response_ids)
+            choices.append(choice)
+        return self._envelope("chat.completion", "chatcmpl", choices, prompts, job)
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "miles"}],
+        }
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                HTTPStatus.NOT_FOUND,
+                f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                "model_not_found",
+            )
+
+    def _prompt_ids(self, prompt: Any) -> list[list[int]]:
+        def ids_of(p: Any) -> list[int]:
+            if isinstance(p, str):
+                if self.engine.tokenizer is None:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer: send token ids")
+                return list(self.engine.tokenizer(p)["input_ids"])
+            if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                return list(p)
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                "'prompt' must be a string, a list of strings, or token ids (list of ints)",
+            )
+
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            return [ids_of(p) for p in prompt]
+        return [ids_of(prompt)]
+
+    def _generate(
+        self, prompts: list[list[int]], body: dict[str, Any], default_max_tokens: int | None
+    ) -> _Job:
+        params = _sampling_params(body, default_max_tokens, self.engine.max_context, prompts)
+        job = self.run(prompts, params)
+        if job.error is not None:
+            raise RequestError(HTTPStatus.BAD_REQUEST, job.error)
+        for sample in job.results.values():
+            if sample.status == SampleStatus.ABORTED:  # refused by the engine (too long for the context, ...)
+                raise RequestError(HTTPStatus.BAD_REQUEST, sample.metadata.get("error", "request aborted"))
+        return job
+
+    def _token_strings(self, ids: list[int]) -> list[str]:
+        tokenizer = self.engine.tokenizer
+        return [tokenizer.decode([t]) for t in ids] if tokenizer is not None else [str(t) for t in ids]
+
+    def _envelope(
+        self, kind: str, prefix: str, choices: list[dict[str, Any]], prompts: list[list[int]], job: _Job
+    ) -> dict[str, Any]:
+        completion = sum(len(s.response_ids) for s in job.results.values())
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        }
+
+
+def _sampling_params(
+    body: dict[str, Any], default_max_tokens: int | None, max_context: int, prompts: list[list[int]]
+) -> SamplingParams:
+    if body.get("stream"):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "stream=true is not supported; send stream=false")
+    for key, off in (("echo", False), ("suffix", None), ("logit_bias", None)):
+        if body.get(key) not in (off, None, {}):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (only 0)")
+    if body.get("best_of") not in (None, 1):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "'best_of' > 1 is not supported")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    if max_tokens is None:  # chat: up to the end of the context
+        max_tokens = max(1, max_context - max(len(p) for p in prompts))
+    stop = body.get("stop") or []
+    try:
+        return SamplingParams(
+            n=int(body.get("n", 1)),
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            top_k=int(body.get("top_k", -1)),
+            min_p=float(body.get("min_p", 0.0)),
+            max_new_tokens=int(max_tokens),
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
+            seed=None if body.get("seed") is None else int(body["seed"]),
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+    except (TypeError, ValueError) as err:
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {err}") from err
+
+
+def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
+    routes = {
+        ("POST", "/v1/completions"): server.completions,
+        ("POST", "/v1/chat/completions"): server.chat_completions,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path == "/health":
+                self._send(HTTPStatus.OK, {"status": "ok"})
+            elif self.path == "/v1/models":
+                self._authorized() and self._send(HTTPStatus.OK, server.models())
+            else:
+                self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route GET {self.path}", "not_found"))
+
+        def do_POST(self) -> None:  # noqa: N802
+            route = routes.get(("POST", self.path))
+            if route is None:
+                self._discard_body()
+                self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route POST {self.path}", "not_found"))
+                return
+            if not self._authorized():
+                return
+            try:
+                self._send(HTTPStatus.OK, route(self._body()))
+            except RequestError as err:
+                self._error(err)
+            except Exception as err:  # a bug: the request fails, the server stays up
+                log.exception("request failed")
+                self._error(
+                    RequestError(
+                        HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(err).__name__}: {err}", "server_error"
+                    )
+                )
+
+        def _authorized(self) -> bool:
+            if server.api_key is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                return True
+            self._discard_body()
+            self._error(
+                RequestError(HTTPStatus.UNAUTHORIZED, "missing or wrong API key", "authentication_error")
+            )
+            return False
+
+        def _body(self) -> dict[str, Any]:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY_BYTES:
+                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
+            raw = self.rfile.read(length)
+            try:
+                body = json.loads(raw or b"{}")
+            except json.JSONDecodeError as err:
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"body is not JSON: {err.msg}") from err
+            if not isinstance(body, dict):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+            return body
+
+        def _discard_body(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if 0 < length <= MAX_BODY_BYTES:
+                self.rfile.read(length)
+
+        def _error(self, err: RequestError) -> None:
+            self.close_connection = (
+                True  # a refused request's body may be unread: do not reuse the connection
+            )
+            self._send(
+                err.status, {"error": {"message": err.message, "type": err.kind, "code": int(err.status)}}
+            )
+
+        def _send(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            log.debug("%s %s", self.address_string(), format % args)  # the request line only, never a body
+
+    return Handler

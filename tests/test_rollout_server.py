@@ -1,0 +1,173 @@
+"""The OpenAI-compatible server over the engine (rollout/server.py), on the builtin tiny model, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from miles.config import DataConfig, RolloutConfig
+from miles.data import PromptFormatter
+from miles.model_io import load_model
+from miles.rollout import Engine, SamplingParams
+from miles.rollout.server import EngineServer
+
+MODEL = "builtin:tiny_moe_math"
+
+
+@pytest.fixture(scope="module")
+def loaded():  # noqa: ANN201
+    return load_model(MODEL)
+
+
+def start(loaded: Any, api_key: str | None = None) -> EngineServer:
+    engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig(kv_cache_bytes=16 * 1024 * 1024))
+    server = EngineServer(
+        engine, PromptFormatter(loaded.tokenizer, DataConfig()), "tiny", port=0, api_key=api_key
+    )
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(loaded: Any) -> Iterator[EngineServer]:
+    server = start(loaded)
+    yield server
+    server.shutdown()
+
+
+def call(
+    server: EngineServer, path: str, body: object = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    request = urllib.request.Request(
+        server.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_binds_localhost_and_lists_its_model(server: EngineServer) -> None:
+    assert server.httpd.server_address[0] == "127.0.0.1"
+    assert call(server, "/health") == (200, {"status": "ok"})
+    status, body = call(server, "/v1/models")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["tiny"]
+
+
+def test_completions_equal_the_engine_s_samples(server: EngineServer, loaded: Any) -> None:
+    prompt = "Ann has 12 pens and gives away 7. How many pens are left?"
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "n": 3,
+        "seed": 5,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+    status, out = call(server, "/v1/completions", body)
+    assert status == 200, out
+    ids = list(loaded.tokenizer(prompt)["input_ids"])
+    params = SamplingParams(n=3, temperature=0.8, max_new_tokens=12, seed=5)
+    expected = Engine(loaded.model, loaded.tokenizer, RolloutConfig()).generate([ids], params)
+    assert [c["token_ids"] for c in out["choices"]] == [s.response_ids for s in expected]
+    assert [c["text"] for c in out["choices"]] == [s.response_text for s in expected]
+    assert [c["logprobs"]["token_logprobs"] for c in out["choices"]] == [s.rollout_logprobs for s in expected]
+    assert all(c["prompt_token_ids"] == ids for c in out["choices"])
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens"] == sum(len(s.response_ids) for s in expected)
+    assert {c["finish_reason"] for c in out["choices"]} <= {"stop", "length"}
+
+
+def test_chat_completions_apply_the_chat_template(server: EngineServer, loaded: Any) -> None:
+    messages = [{"role": "user", "content": "What is 12-7?"}]
+    status, out = call(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": 10,
+            "return_token_ids": True,
+            "logprobs": True,
+        },
+    )
+    assert status == 200, out
+    (choice,) = out["choices"]
+    ids = PromptFormatter(loaded.tokenizer, DataConfig()).ids(messages)
+    assert choice["prompt_token_ids"] == ids and choice["message"]["role"] == "assistant"
+    expected = Engine(loaded.model, loaded.tokenizer, RolloutConfig()).generate(
+        [ids], SamplingParams(temperature=0.0, max_new_tokens=10)
+    )[0]
+    assert (
+        choice["token_ids"] == expected.response_ids
+        and choice["message"]["content"] == expected.response_text
+    )
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] == expected.rollout_logprobs
+
+
+def test_concurrent_requests_share_engine_steps(server: EngineServer) -> None:
+    results: list[tuple[int, Any]] = [None] * 8  # type: ignore[list-item]
+    steps_before = server.engine.stats.steps
+
+    def one(i: int) -> None:
+        results[i] = call(
+            server,
+            "/v1/completions",
+            {"prompt": [20 + i, 21, 22], "max_tokens": 20, "seed": i, "ignore_eos": True},
+        )
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(status == 200 and len(body["choices"]) == 1 for status, body in results), results
+    assert all(body["usage"]["completion_tokens"] == 20 for _, body in results)
+    # Alone, 8 requests of 20 tokens take >= 160 steps; side by side a few more than 20.
+    assert server.engine.stats.steps - steps_before < 100
+
+
+def test_bad_requests_get_a_clear_error_and_the_server_stays_up(server: EngineServer) -> None:
+    cases = [
+        ("/v1/completions", b"{not json", 400, "not JSON"),
+        ("/v1/completions", {"prompt": 3}, 400, "'prompt' must be"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "serves 'tiny'"),
+        ("/v1/completions", {"prompt": "x", "stream": True}, 400, "stream=true is not supported"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+        ("/v1/completions", {"prompt": [5] * 5000}, 400, "context"),
+        ("/v1/chat/completions", {"messages": []}, 400, "non-empty list"),
+        ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+    ]
+    for path, body, code, message in cases:
+        status, out = call(server, path, body)
+        assert status == code and message in out["error"]["message"], (path, body, status, out)
+    assert call(server, "/v1/completions", {"prompt": "12+7=", "max_tokens": 2})[0] == 200
+    assert not server.engine.has_unfinished and not server.engine._results
+
+
+def test_an_api_key_is_required_when_set(loaded: Any) -> None:
+    server = start(loaded, api_key="s3cret")
+    try:
+        assert call(server, "/v1/completions", {"prompt": "1", "max_tokens": 1})[0] == 401
+        assert call(server, "/v1/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+        status, _ = call(
+            server,
+            "/v1/completions",
+            {"prompt": "1", "max_tokens": 1},
+            headers={"Authorization": "Bearer s3cret"},
+        )
+        assert status == 200
+        assert call(server, "/health")[0] == 200  # liveness stays open
+    finally:
+        server.shutdown()
