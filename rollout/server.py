@@ -28,6 +28,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+
 from miles.rollout.params import SamplingParams
 from miles.sample import Sample, SampleStatus
 
@@ -113,6 +115,9 @@ class EngineServer:
         return job
 
     def _engine_loop(self) -> None:
+        device = getattr(self.engine, "device", None)
+        if device is not None and device.type == "cuda":  # a new thread's current device is cuda:0
+            torch.cuda.set_device(device)
         pending: dict[int, tuple[_Job, int, int]] = {}  # rid -> (job, prompt position, sample index)
         waiting: dict[int, int] = {}  # id(job) -> samples still to come
         while not self._stop.is_set():
