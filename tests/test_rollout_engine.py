@@ -580,12 +580,10 @@ def test_max_new_tokens_lowered_below_the_output_ends_the_request() -> None:
     assert_pool_clean(engine)
 
 
-def test_a_lowered_limit_ends_its_request_while_others_run() -> None:
-    """The request whose limit was lowered ends at the next step, not once the others are done; one that
-    had been retracted (its output then sits in the radix cache, shared with the tree) gives back only its
-    own keys and values; one whose stopping token lay past the new limit ends TRUNCATED, not COMPLETED."""
-    model = tiny_model(False, seed=1)
-    engine = Engine(model, None, config(page_size=4))
+def _retracted_pair(cfg: RolloutConfig) -> tuple[Engine, SamplingParams, SamplingParams]:
+    """(engine, lowered, other): two requests of 40 tokens (groups 0 and 1, each its own params object)
+    decoded 12 steps, then both retracted: they wait, with their outputs so far."""
+    engine = Engine(tiny_model(False, seed=1), None, cfg)
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
     lowered, other = params.with_(), params.with_()
     engine.add_request([5, 6, 7, 8, 9], lowered, group_id=0, index=0)
@@ -593,53 +591,49 @@ def test_a_lowered_limit_ends_its_request_while_others_run() -> None:
     for _ in range(12):
         engine.step()
     engine._drain()
-    engine.scheduler.retract_all()  # both prefixes go into the tree; re-admission matches them
-    for _ in range(2):
-        engine.step()
-    lowered.max_new_tokens = 3
-    ended: dict[int, tuple[int, Sample]] = {}
-    for step in range(60):
-        for sample in engine.step():
-            ended[sample.group_id] = (step, sample)
-        if not engine.has_unfinished:
-            break
-    (step_lowered, cut), (step_other, full) = ended[0], ended[1]
-    assert step_lowered <= 2 < step_other
-    assert cut.status == SampleStatus.TRUNCATED and len(cut.response_ids) == len(cut.rollout_logprobs) == 3
-    assert len(full.response_ids) == 40
-    assert_pool_clean(engine)
+    engine.scheduler.retract_all()
+    return engine, lowered, other
 
 
-def test_a_limit_lowered_while_waiting_ends_the_request_without_recomputing_it() -> None:
-    """A retracted request whose max_new_tokens is lowered to at most its output while it waits is not
-    re-admitted (its prompt and output prefilled again, one more token sampled) only to be cut: it ends at
-    the next step, TRUNCATED, and only the other request is recomputed."""
-    model = tiny_model(False, seed=1)
-    engine = Engine(model, None, config(radix_cache=False))
-    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True)
-    lowered, other = params.with_(), params.with_()
-    engine.add_request([5, 6, 7, 8, 9], lowered, group_id=0, index=0)
-    engine.add_request([5, 6, 7, 8, 10], other, group_id=1, index=0)
-    for _ in range(12):
-        engine.step()
-    engine._drain()
-    engine.scheduler.retract_all()  # both wait, with their outputs so far
-    (waiting_other,) = [r for r in engine.scheduler.waiting if r.params is other]
-    recompute = waiting_other.seq_len  # without a radix cache: its prompt and output, all of them
+def _lowered_to_three(engine: Engine, lowered: SamplingParams) -> tuple[int, int]:
+    """Lower the limit to 3 and run to the end: (the step the lowered request ended at, the other's); both
+    samples checked (3 tokens, TRUNCATED; 40 tokens)."""
     lowered.max_new_tokens = 3
-    computed = engine.stats.prefill_tokens
     ended: dict[int, tuple[int, Sample]] = {}
     for step in range(80):
         for sample in engine.step():
             ended[sample.group_id] = (step, sample)
         if not engine.has_unfinished:
             break
-    (step_lowered, cut), (_, full) = ended[0], ended[1]
-    assert step_lowered <= 2
+    (step_lowered, cut), (step_other, full) = ended[0], ended[1]
     assert cut.status == SampleStatus.TRUNCATED and len(cut.response_ids) == len(cut.rollout_logprobs) == 3
     assert len(full.response_ids) == 40
-    assert engine.stats.prefill_tokens - computed == recompute
     assert_pool_clean(engine)
+    return step_lowered, step_other
+
+
+def test_a_lowered_limit_ends_its_request_while_others_run() -> None:
+    """The request whose limit was lowered ends at the next step, not once the others are done; one that
+    had been retracted (its output then sits in the radix cache, shared with the tree) gives back only its
+    own keys and values; one whose stopping token lay past the new limit ends TRUNCATED, not COMPLETED."""
+    engine, lowered, _ = _retracted_pair(config(page_size=4))
+    for _ in range(2):  # both re-admitted: their prefixes come from the tree
+        engine.step()
+    step_lowered, step_other = _lowered_to_three(engine, lowered)
+    assert step_lowered <= 2 < step_other
+
+
+def test_a_limit_lowered_while_waiting_ends_the_request_without_recomputing_it() -> None:
+    """A retracted request whose max_new_tokens is lowered to at most its output while it waits is not
+    re-admitted (its prompt and output prefilled again, one more token sampled) only to be cut: it ends at
+    the next step, TRUNCATED, and only the other request is recomputed."""
+    engine, lowered, other = _retracted_pair(config(radix_cache=False))
+    (waiting_other,) = [r for r in engine.scheduler.waiting if r.params is other]
+    recompute = waiting_other.seq_len  # without a radix cache: its prompt and output, all of them
+    computed = engine.stats.prefill_tokens
+    step_lowered, _ = _lowered_to_three(engine, lowered)
+    assert step_lowered <= 2
+    assert engine.stats.prefill_tokens - computed == recompute
 
 
 def test_a_stop_token_past_the_lowered_limit_truncates() -> None:
