@@ -36,6 +36,7 @@ from miles.rollout.sampling import (
     derive_seed,
     draws_from_block_masses,
     mix_seeds,
+    prompt_key,
     sample,
     uniforms_of_mixed,
 )
@@ -331,7 +332,9 @@ class Engine:
         rid = self._next_rid
         self._next_rid += 1
         if params.seed is not None:
-            seed = derive_seed(params.seed, index)
+            # The prompt's content too: with one seed for a whole batch (the RL loop's), different prompts
+            # must not share random numbers, and the same prompt must draw the same wherever it sits.
+            seed = derive_seed(params.seed, prompt_key(prompt), index)
         else:
             seed = derive_seed(self.cfg.seed, self._seed_counter)
             self._seed_counter += 1

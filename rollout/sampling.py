@@ -19,6 +19,7 @@ they draw over the weights exp(logits / temperature - max), whose float64 total 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,12 @@ def derive_seed(*parts: int) -> int:
     for part in parts:
         h = _splitmix64_int(h ^ (part & _MASK64))
     return h >> 1
+
+
+def prompt_key(prompt: list[int]) -> int:
+    """A 63-bit hash of a prompt's token ids (blake2b, stable across processes and machines), for seeds."""
+    digest = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def uniforms(seeds: list[int] | np.ndarray, positions: list[int] | np.ndarray) -> np.ndarray:

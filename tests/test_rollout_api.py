@@ -161,6 +161,21 @@ def test_deterministic_mode_is_batch_invariant(moe: bool) -> None:
         assert a.rollout_logprobs == b.rollout_logprobs  # bit for bit
 
 
+def test_seeded_samples_depend_on_their_prompt_not_on_its_position() -> None:
+    """One seed for a batch (as the RL loop samples): a prompt draws the same wherever it sits, and
+    different prompts do not share random numbers (the seed mixes in the prompt's tokens)."""
+    model = tiny_model(False, seed=1)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+    first, second = PROMPTS[0], PROMPTS[2]
+    forward = Engine(model, None, config()).generate([first, second], params)
+    backward = Engine(model, None, config()).generate([second, first], params)
+    assert [s.response_ids for s in forward] == [s.response_ids for s in backward[2:] + backward[:2]]
+    engine = Engine(model, None, config())
+    rids = [engine.add_request(prompt, params.with_(n=1), index=0) for prompt in (first, second, list(first))]
+    seeds = [engine._requests[rid].seed for rid in rids]
+    assert seeds[0] != seeds[1] and seeds[0] == seeds[2]
+
+
 def test_routing_is_recorded_per_fed_token() -> None:
     model = tiny_model(moe=True, seed=5)
     engine = Engine(model, None, config(max_batch_tokens=8, max_running_requests=8, record_routing=True))
