@@ -171,6 +171,8 @@ class TrainerConfig:
     """Write an HF checkpoint every N steps (0: only at the end)."""
     save_final: bool = True
     """Write an HF checkpoint at the end."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints of the run (0: all)."""
     resume_from: str = ""
     """Resume an RL run: a checkpoints/step_N folder, a run folder (its latest step), or `auto` (the latest
     step of the newest run of this recipe). Checkpoints carry the optimizer and loader state (miles/resume.py)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -69,11 +70,20 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     write_extra: Callable[[Path], None] | None = None,
+    keep_last: int = 0,
 ) -> Path:
+    """Write `checkpoints/step_N/` (atomically); with `keep_last` > 0, then remove all but the newest
+    `keep_last` step folders."""
     from miles.models import save_pretrained
 
     folder = run_dir / "checkpoints" / f"step_{step:06d}"
-    return save_pretrained(model, folder, tokenizer=tokenizer, write_extra=write_extra)
+    saved = save_pretrained(model, folder, tokenizer=tokenizer, write_extra=write_extra)
+    if keep_last > 0:
+        steps = sorted(p for p in folder.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+        for old in steps[:-keep_last]:
+            if old != saved:
+                shutil.rmtree(old, ignore_errors=True)
+    return saved
 
 
 @dataclass
@@ -232,7 +242,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
                 is_last and cfg.trainer.save_final
             ):
-                save_checkpoint(model, tokenizer, run_dir, step, write_resume_state(step))
+                save_checkpoint(
+                    model, tokenizer, run_dir, step, write_resume_state(step), cfg.trainer.keep_last
+                )
             if busy is not None and (fraction := busy[1].stop()) is not None:
                 metrics[busy[0]] = fraction
             metrics["time/step"] = time.perf_counter() - step_start

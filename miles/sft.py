@@ -95,7 +95,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
                 is_last and cfg.trainer.save_final
             ):
-                save_checkpoint(model, tokenizer, run_dir, step)
+                save_checkpoint(model, tokenizer, run_dir, step, keep_last=cfg.trainer.keep_last)
             tracker.log_step(step, metrics)
             last = metrics
     finally:

@@ -178,11 +178,13 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
     whole, resumed = runs / "whole", runs / "resumed"
     out = run_miles(tmp_path, *common, run_dir=whole)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in (whole / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     step2 = whole / "checkpoints" / "step_000002"
     assert (step2 / "resume" / "run_state.json").is_file()
     assert (step2 / "resume" / "trainer_state.safetensors").is_file()
-    out = run_miles(tmp_path, *common, f"trainer.resume_from={step2}", run_dir=resumed)
+    out = run_miles(tmp_path, *common, f"trainer.resume_from={step2}", "trainer.keep_last=1", run_dir=resumed)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_000004"]  # keep_last=1
 
     def records(run: Path) -> list[dict]:
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
