@@ -125,8 +125,9 @@ class RolloutConfig:
     generate_fn: str | None = None
     """Multi-turn generate plugin (`pkg.mod:func` or `path/file.py:func`, an `async def generate(client,
     sample, params)`, rollout/multiturn.py); None: single-turn generation."""
-    generate_timeout_s: float = 0.0
-    """A generate plugin call running longer costs its sample (aborted); 0: no limit."""
+    generate_timeout_s: float = 1800.0
+    """A generate plugin call running longer costs its sample (aborted); 0: no limit (a plugin that never
+    returns then holds the run)."""
 
 
 @dataclass

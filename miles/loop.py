@@ -24,7 +24,7 @@ from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
 from miles.model_io import load_model
-from miles.resume import find_checkpoint, read_run_state, restore_rng, write_run_state
+from miles.resume import config_changes, find_checkpoint, read_run_state, restore_rng, write_run_state
 from miles.sample import Sample, SampleStatus
 from miles.tracking import Tracker, redact
 from miles.utilization import busy_meter
@@ -110,15 +110,22 @@ def prepare_inputs(cfg: MilesConfig) -> RunInputs:
     return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos)
 
 
-def resume_run(
-    spec: str, run_dir: Path, max_steps: int, model: Any, trainer: Any, loader: PromptLoader
-) -> int:
+def resume_run(cfg: MilesConfig, run_dir: Path, model: Any, trainer: Any, loader: PromptLoader) -> int:
     """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run;
     returns the step it finished."""
     from miles.models.checkpoint import iter_hf_tensors, load_state_into
 
-    folder = find_checkpoint(spec, run_dir)
+    folder = find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)
     state = read_run_state(folder)
+    changes = config_changes(state.config, redact(asdict(cfg)))
+    if changes:
+        log.warning(
+            "resuming %s with %d setting(s) changed, so it will not repeat the first run: %s",
+            folder,
+            len(changes),
+            "; ".join(changes[:10]),
+        )
+    max_steps = cfg.trainer.max_steps
     with torch.no_grad():
         load_state_into(model, iter_hf_tensors(folder))
     trainer.load_state_dict(state.trainer)
@@ -152,6 +159,11 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     engine = Engine(model, tokenizer, cfg.rollout)
     generate, multiturn = engine.generate, None
     if cfg.rollout.generate_fn:
+        if cfg.trainer.routing_replay:
+            raise MilesUserError(
+                "trainer.routing_replay needs each sample's recorded experts, which a multi-turn sample "
+                "(rollout.generate_fn) does not carry; turn one of them off"
+            )
         spec = plugins.normalize(cfg.rollout.generate_fn, "rollout.generate_fn")
         fn = plugins.load(spec, "rollout.generate_fn")
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
@@ -178,8 +190,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
     first_step = 1
     if cfg.trainer.resume_from:
-        resume = cfg.trainer.resume_from
-        first_step = resume_run(resume, run_dir, cfg.trainer.max_steps, model, trainer, loader) + 1
+        first_step = resume_run(cfg, run_dir, model, trainer, loader) + 1
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -191,11 +202,17 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
 
     def write_resume_state(step: int) -> Callable[[Path], None]:
         return lambda folder: write_run_state(
-            folder, step, cfg.trainer.max_steps, trainer.state_dict(), loader.state_dict()
+            folder, step, redact(asdict(cfg)), trainer.state_dict(), loader.state_dict()
         )
 
     def run_eval() -> dict[str, float]:
         metrics, _ = evaluate(generate, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
+        # The next step starts as it would after a resume: from an empty radix cache (the eval's prompts
+        # would change its bf16 prefill rounding on a GPU), and with counters that are its own.
+        engine.flush_cache()
+        engine.metrics()
+        if multiturn is not None:
+            metrics["eval/generate_errors"] = multiturn.metrics()["rollout/generate_errors"]
         return metrics
 
     try:
@@ -218,11 +235,12 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             metrics.update(rewards.score(samples))
             metrics["time/reward"] = time.perf_counter() - t
             metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens))
-            metrics.update(compute_advantages(samples, cfg.algorithm))
+            # An aborted request (engine error, failed generate plugin) has no response: it costs its sample,
+            # never the step, and stays out of its group's advantages (its reward 0 would lift the others').
+            trainable = [s for s in samples if s.response_ids]
+            metrics.update(compute_advantages(trainable, cfg.algorithm))
 
             t = time.perf_counter()
-            # An aborted request (engine error) has no response: it costs its sample, never the step.
-            trainable = [s for s in samples if s.response_ids]
             metrics["train/dropped_samples"] = float(len(samples) - len(trainable))
             if trainable:
                 metrics.update(trainer.train_step(trainable))

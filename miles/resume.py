@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ class RunState:
     """The last step the checkpoint finished; a resumed run starts at step + 1."""
     max_steps: int
     """The run's trainer.max_steps, which sized its LR schedule."""
+    config: dict[str, Any]
+    """The run's config (redacted), flattened to dotted keys."""
     trainer: dict[str, Any]
     """`TorchTrainer.state_dict()`: {"tensors": ..., "meta": ...}."""
     loader: dict[str, Any]
@@ -47,7 +50,11 @@ class RunState:
 
 
 def write_run_state(
-    folder: Path, step: int, max_steps: int, trainer_state: dict[str, Any], loader_state: dict[str, Any]
+    folder: Path,
+    step: int,
+    config: dict[str, Any],
+    trainer_state: dict[str, Any],
+    loader_state: dict[str, Any],
 ) -> None:
     """Write the resume files into a checkpoint folder (called on the folder before it is renamed into place)."""
     folder = folder / RESUME_DIR
@@ -57,7 +64,10 @@ def write_run_state(
     state = {
         "format": _FORMAT,
         "step": step,
-        "max_steps": max_steps,
+        "max_steps": int(config["trainer"]["max_steps"]),
+        "recipe": config.get("recipe"),
+        "config": flatten(config),
+        "saved_at": time.time(),
         "trainer": trainer_state["meta"],
         "loader": loader_state,
         "python_rng": random.getstate(),
@@ -78,11 +88,48 @@ def read_run_state(checkpoint: Path) -> RunState:
     return RunState(
         step=int(meta["step"]),
         max_steps=int(meta["max_steps"]),
+        config=meta.get("config", {}),
         trainer={"tensors": tensors, "meta": meta["trainer"]},
         loader=meta["loader"],
         python_rng=(version, tuple(internal), gauss),
         torch_rng=torch_rng,
     )
+
+
+_RESUME_MAY_CHANGE = (
+    "trainer.max_steps",
+    "trainer.resume_from",
+    "trainer.keep_last",
+    "trainer.save_every",
+    "trainer.save_final",
+    "trainer.eval_every",
+    "logging.",
+    "placement.cpu_threads",
+)
+"""Settings a resumed run may change without changing what it computes next."""
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = (
+                value if isinstance(value, str | int | float | bool | None) else repr(value)
+            )
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: saved -> current' for every setting that differs, but those a resume may change."""
+    now = flatten(current)
+    keys = sorted(set(saved) | set(now))
+    return [
+        f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in keys
+        if saved.get(key) != now.get(key) and not key.startswith(_RESUME_MAY_CHANGE)
+    ]
 
 
 def restore_rng(state: RunState) -> None:
@@ -96,31 +143,35 @@ def _resumable(checkpoint: Path) -> bool:
     ).is_file()
 
 
+def _meta(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / RESUME_DIR / RUN_STATE).read_text())
+
+
 def _latest(checkpoints: list[Path]) -> Path | None:
-    """The checkpoint of the highest step, the newest of those on a tie (several runs)."""
+    """The checkpoint of the highest step (the last saved on a tie)."""
     resumable = [c for c in checkpoints if _resumable(c)]
     if not resumable:
         return None
-    return max(
-        resumable,
-        key=lambda c: (json.loads((c / RESUME_DIR / RUN_STATE).read_text())["step"], c.stat().st_mtime),
-    )
+    return max(resumable, key=lambda c: (_meta(c)["step"], _meta(c).get("saved_at", 0.0)))
 
 
-def find_checkpoint(spec: str, run_dir: Path) -> Path:
+def find_checkpoint(spec: str, run_dir: Path, recipe: str | None = None) -> Path:
     """The checkpoint folder `trainer.resume_from` names: a `checkpoints/step_N` folder, a run folder (its
-    latest step), or `auto` (the latest step of the newest run beside this one, i.e. under
+    latest step), or `auto`: the last one saved, of this recipe, by the runs beside this one (under
     outputs/<recipe>/)."""
     if spec == "auto":
-        runs = [r for r in run_dir.parent.iterdir() if r.is_dir() and r.resolve() != run_dir.resolve()]
-        runs.sort(key=lambda r: r.stat().st_mtime, reverse=True)
-        for run in runs:
-            found = _latest(list((run / "checkpoints").glob("step_*")))
-            if found is not None:
-                return found
+        found = [
+            c
+            for run in run_dir.parent.iterdir()
+            if run.is_dir() and run.resolve() != run_dir.resolve()
+            for c in (run / "checkpoints").glob("step_*")
+            if _resumable(c) and _meta(c).get("recipe") == recipe
+        ]
+        if found:
+            return max(found, key=lambda c: _meta(c).get("saved_at", 0.0))
         raise MilesUserError(
-            f"trainer.resume_from=auto found no resumable checkpoint under {run_dir.parent} "
-            f"(a run writes one every trainer.save_every steps); pass a checkpoint folder instead"
+            f"trainer.resume_from=auto found no resumable checkpoint of recipe {recipe!r} under "
+            f"{run_dir.parent} (a run writes one every trainer.save_every steps); pass a checkpoint folder instead"
         )
     path = Path(spec).expanduser()
     if _resumable(path):

@@ -29,6 +29,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-running-requests", type=int, default=RolloutConfig.max_running_requests)
     parser.add_argument("--kv-cache-fraction", type=float, default=RolloutConfig.kv_cache_fraction)
     parser.add_argument("--system-prompt", default=None, help="prepended to chat requests without one")
+    parser.add_argument(
+        "--request-timeout-s", type=float, default=3600.0, help="a request waiting longer: 504"
+    )
     args = parser.parse_args(argv)
 
     from miles.data import PromptFormatter
@@ -54,12 +57,23 @@ def main(argv: list[str]) -> int:
     formatter = PromptFormatter(loaded.tokenizer, DataConfig(system_prompt=args.system_prompt))
     try:
         server = EngineServer(
-            engine, formatter, args.served_model_name or args.model, args.host, args.port, api_key
+            engine,
+            formatter,
+            args.served_model_name or args.model,
+            args.host,
+            args.port,
+            api_key,
+            args.request_timeout_s,
         )
     except OSError as err:
         raise MilesUserError(
             f"cannot listen on {args.host}:{args.port} ({err}); pick another --port"
         ) from err
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("miles.serve").warning(
+            "listening on %s without an API key: anyone who can reach it can use the model (--api-key-env)",
+            args.host,
+        )
     logging.getLogger("miles.serve").info(
         "serving %s at %s (OpenAI API: /v1/completions, /v1/chat/completions)", server.model_name, server.url
     )

@@ -7,12 +7,13 @@ kernels count too. It is read through `torch.cuda.utilization`, which needs `nvi
 extra); without it the metric is left out, with one warning.
 
 On the CPU the loop's own threads are the device: the process's CPU time over the step's wall time times the
-intra-op threads torch runs with (reward worker processes are not counted).
+intra-op threads torch runs with, at most the usable cores (reward worker processes are not counted).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -82,8 +83,17 @@ class CpuBusy:
         wall = time.perf_counter() - self._wall
         if wall <= 0:
             return None
-        busy = (time.process_time() - self._cpu) / (wall * max(torch.get_num_threads(), 1))
+        busy = (time.process_time() - self._cpu) / (wall * _compute_threads())
         return min(max(busy, 0.0), 1.0)
+
+
+def _compute_threads() -> int:
+    """Threads that can compute at once: torch's intra-op threads, at most the cores this process may use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores))
 
 
 def nvml_reader(device: torch.device) -> Callable[[], float] | None:

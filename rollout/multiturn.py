@@ -8,11 +8,15 @@ the result: the model's tokens train (`loss_mask` 1, the engine's logprobs), the
 (`loss_mask` 0). A turn's prompt repeats the conversation so far, which the radix cache already holds, so
 only the new tokens are computed.
 
-Every plugin call of a batch runs as a coroutine on one event loop, and one driver steps the engine while any
-of them waits for a turn: turns of different samples share engine steps (continuous batching). A plugin that
-blocks (a slow tool called without `await`) holds up every sample's turns; run such a tool in
-`asyncio.to_thread`. A plugin that raises or runs past `rollout.generate_timeout_s` costs its sample (status
-aborted, `metadata["error"]`, counted in `rollout/generate_errors`), never the batch.
+Every plugin call of a batch runs as a coroutine on one event loop, kept for the `MultiTurnRollout`'s life
+(so a plugin's module-level asyncio objects, clients and semaphores, keep working from batch to batch), and
+one driver steps the engine while any of them waits for a turn: turns of different samples share engine
+steps (continuous batching). Called from a running event loop (a notebook), a batch runs on a thread of its
+own. A plugin that blocks (a slow tool called without `await`) holds up every sample's turns; run such a
+tool in `asyncio.to_thread`. A plugin that raises, returns something malformed or runs past
+`rollout.generate_timeout_s` costs its sample (status aborted, `metadata["error"]`, counted in
+`rollout/generate_errors`), never the batch. A turn the engine refuses as misconfigured (stop strings
+without a tokenizer, released memory) fails the batch instead, as single-turn generation would.
 
 Turn t of a sample samples with seed `derive_seed(params.seed, t)` for t > 0 (turn 0 with `params.seed`
 itself, as single-turn generation would), so a rollout is reproducible and its turns draw independently.
@@ -21,11 +25,14 @@ itself, as single-turn generation would), so a rollout is reproducible and its t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from miles.rollout.params import SamplingParams
 from miles.rollout.sampling import derive_seed
@@ -82,6 +89,10 @@ class Trajectory:
         )
 
 
+class EngineRefused(Exception):
+    """`Engine.add_request` refused a turn: a configuration error, which fails the batch (not one sample)."""
+
+
 class EngineClient:
     """One sample's access to the embedded engine from its generate plugin."""
 
@@ -132,16 +143,28 @@ class MultiTurnRollout:
         self.errors = 0
         """Samples lost to a failing or timed-out plugin since the last `metrics()`."""
         self._pending: dict[int, asyncio.Future[Sample]] = {}
+        self._loop = asyncio.new_event_loop()
 
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """`len(prompts) * params.n` samples, prompt-major (more where a plugin returns several per call)."""
-        return asyncio.run(self._run(prompts, params))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(self._run(prompts, params))
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miles-multiturn") as thread:
+            return thread.submit(self._loop.run_until_complete, self._run(prompts, params)).result()
+
+    def close(self) -> None:
+        self._loop.close()
 
     def metrics(self) -> dict[str, float]:
         errors, self.errors = self.errors, 0
         return {"rollout/generate_errors": float(errors)}
 
     async def _run(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        device = getattr(self.engine, "device", None)
+        if device is not None and device.type == "cuda":  # (a thread of its own starts on cuda:0)
+            torch.cuda.set_device(device)
         one = params.with_(n=1)
         calls = [
             asyncio.ensure_future(self._call(replace(prompt, index=index), one))
@@ -149,6 +172,10 @@ class MultiTurnRollout:
             for index in range(params.n)
         ]
         await self._drive(calls)
+        # Every call's exception is retrieved (else asyncio reports them at exit).
+        failures = [err for err in (call.exception() for call in calls) if err is not None]
+        if failures:  # a refused turn (EngineRefused): the batch's configuration is wrong
+            raise failures[0]
         samples = [sample for call in calls for sample in call.result()]
         # A group is its prompt's (advantages are per group); a call may return several samples, so the
         # indices are counted within each group again.
@@ -163,9 +190,12 @@ class MultiTurnRollout:
     async def _submit(
         self, client: EngineClient, prompt_ids: list[int], params: SamplingParams, sample: Sample
     ) -> Sample:
-        rid = self.engine.add_request(
-            prompt_ids, params, group_id=sample.group_id, index=sample.index, source=sample
-        )
+        try:
+            rid = self.engine.add_request(
+                prompt_ids, params, group_id=sample.group_id, index=sample.index, source=sample
+            )
+        except Exception as err:
+            raise EngineRefused(f"{type(err).__name__}: {err}") from err
         client.rids.append(rid)
         future: asyncio.Future[Sample] = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
@@ -201,25 +231,38 @@ class MultiTurnRollout:
             call = self.fn(client, sample, params)
             out = await (asyncio.wait_for(call, self.timeout_s) if self.timeout_s > 0 else call)
             return self._checked(out, sample)
+        except EngineRefused:
+            self._abort(client)
+            raise
+        except asyncio.CancelledError as err:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the driver's own cancellation: let it through
+                raise
+            return self._failed(client, sample, err)  # the plugin cancelled something of its own
         except Exception as err:  # the plugin's failure costs its sample, never the batch
-            for rid in client.rids:
+            return self._failed(client, sample, err)
+
+    def _abort(self, client: EngineClient) -> None:
+        for rid in client.rids:
+            if rid in self._pending:
                 self.engine.abort(rid)
-            self.errors += 1
-            reason = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
-            log.warning(
-                "generate plugin failed on group %d sample %d: %s", sample.group_id, sample.index, reason
+
+    def _failed(self, client: EngineClient, sample: Sample, err: BaseException) -> list[Sample]:
+        self._abort(client)
+        self.errors += 1
+        reason = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+        log.warning("generate plugin failed on group %d sample %d: %s", sample.group_id, sample.index, reason)
+        return [
+            replace(
+                sample,
+                response_ids=[],
+                response_text="",
+                rollout_logprobs=[],
+                loss_mask=[],
+                status=SampleStatus.ABORTED,
+                metadata={**sample.metadata, "error": f"generate plugin: {reason}"},
             )
-            return [
-                replace(
-                    sample,
-                    response_ids=[],
-                    response_text="",
-                    rollout_logprobs=[],
-                    loss_mask=[],
-                    status=SampleStatus.ABORTED,
-                    metadata={**sample.metadata, "error": f"generate plugin: {reason}"},
-                )
-            ]
+        ]
 
     def _checked(self, out: Sample | list[Sample], sample: Sample) -> list[Sample]:
         samples = [out] if isinstance(out, Sample) else list(out) if isinstance(out, list | tuple) else None
@@ -229,9 +272,13 @@ class MultiTurnRollout:
             )
         for s in samples:
             n = len(s.response_ids)
+            if not s.prompt_ids or not all(isinstance(t, int) for t in [*s.prompt_ids, *s.response_ids]):
+                raise ValueError("a returned sample needs its prompt_ids, and token ids that are ints")
             if len(s.rollout_logprobs) != n or (s.loss_mask and len(s.loss_mask) != n):
                 raise ValueError(
                     f"a returned sample has {n} response tokens, {len(s.rollout_logprobs)} logprobs and "
                     f"{len(s.loss_mask)} loss_mask entries; build it with Trajectory, which keeps them aligned"
                 )
+            if any(m not in (0, 1) for m in s.loss_mask):
+                raise ValueError("a returned sample's loss_mask holds 0s and 1s only")
         return [s if s.group_id == sample.group_id else replace(s, group_id=sample.group_id) for s in samples]

@@ -9,9 +9,12 @@ keys are never logged.
 Beyond OpenAI's fields, a request may set `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and
 `return_token_ids` (the prompt's and each choice's token ids, for token-in/token-out clients). `logprobs`
 returns the sampled tokens' logprobs, under the distribution they were sampled from (temperature, top-p...:
-the engine's convention, docs/rollout.md), without alternatives (`top_logprobs` are empty). Not supported,
-and refused with a 400 rather than ignored: `stream`, `echo`, `suffix`, `best_of` > 1, non-zero
-`frequency_penalty` / `presence_penalty`, `logit_bias`.
+the engine's convention, docs/rollout.md), without alternatives. Not supported, and refused with a 400
+rather than ignored: `stream`, `echo`, `suffix`, `best_of` > 1, non-zero `frequency_penalty` /
+`presence_penalty`, `logit_bias`, `top_logprobs` > 0, tool calling (`tools`, `tool_calls`, ...) and
+`response_format`. Chat content may be a string or text parts. Tokenizing runs on the engine's thread
+(the tokenizer is the engine's); a request waiting past `request_timeout_s` gets a 504 and what it still
+runs is aborted.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -53,7 +57,19 @@ class _Job:
     params: SamplingParams
     results: dict[tuple[int, int], Sample] = field(default_factory=dict)
     """(prompt position, sample index) -> its sample."""
-    error: str | None = None
+    error: RequestError | None = None
+    cancelled: bool = False
+    """Its client stopped waiting: what it still runs is aborted."""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Task:
+    """Work for the engine's thread other than generation (tokenizing: the tokenizer is the engine's)."""
+
+    fn: Callable[[], Any]
+    result: Any = None
+    error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -68,10 +84,12 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: str | None = None,
+        request_timeout_s: float = 3600.0,
     ) -> None:
         self.engine, self.formatter, self.model_name = engine, formatter, model_name
         self.api_key = api_key or None
-        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self.request_timeout_s = request_timeout_s
+        self._jobs: queue.Queue[_Job | _Task] = queue.Queue()
         self._stop = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="miles-engine", daemon=True)
         self._http_thread: threading.Thread | None = None
@@ -104,15 +122,34 @@ class EngineServer:
             self._engine_thread.join(timeout=10)
 
     # the engine's thread ----------------------------------------------------------------------------
-    def run(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 3600.0) -> _Job:
+    @property
+    def engine_alive(self) -> bool:
+        return self._engine_thread.is_alive()
+
+    def run(self, prompts: list[list[int]], params: SamplingParams) -> _Job:
         """Called from a handler thread: queue the prompts and wait for their samples."""
         job = _Job(prompts, params)
         self._jobs.put(job)
+        timeout_s = self.request_timeout_s
         if not job.done.wait(timeout_s):
+            job.cancelled = True  # the engine thread aborts what is left of it
+            self._jobs.put(job)
             raise RequestError(
                 HTTPStatus.GATEWAY_TIMEOUT, f"generation took longer than {timeout_s:.0f} s", "timeout"
             )
         return job
+
+    def on_engine(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
+        """Run `fn` on the engine's thread (between steps) and return what it returns."""
+        task = _Task(fn)
+        self._jobs.put(task)
+        if not task.done.wait(timeout_s):
+            raise RequestError(
+                HTTPStatus.SERVICE_UNAVAILABLE, "the engine thread is not answering", "server_error"
+            )
+        if task.error is not None:
+            raise task.error
+        return task.result
 
     def _engine_loop(self) -> None:
         device = getattr(self.engine, "device", None)
@@ -126,7 +163,18 @@ class EngineServer:
             except queue.Empty:
                 job = None
             while job is not None:
-                self._admit(job, pending, waiting)
+                if isinstance(job, _Task):
+                    try:
+                        job.result = job.fn()
+                    except BaseException as err:  # handed back to the handler thread
+                        job.error = err
+                    job.done.set()
+                elif job.cancelled:
+                    for rid, (owner, _, _) in pending.items():
+                        if owner is job:
+                            self.engine.abort(rid)
+                else:
+                    self._admit(job, pending, waiting)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
@@ -138,7 +186,11 @@ class EngineServer:
             except Exception as err:  # the requests in flight fail; the server keeps serving
                 log.exception("engine step failed")
                 for failed, _, _ in pending.values():
-                    failed.error = f"engine error: {type(err).__name__}: {err}"
+                    failed.error = RequestError(
+                        HTTPStatus.INTERNAL_SERVER_ERROR,
+                        f"engine error: {type(err).__name__}: {err}",
+                        "server_error",
+                    )
                     failed.done.set()
                 self._drain_engine(list(pending))
                 pending.clear()
@@ -163,8 +215,14 @@ class EngineServer:
                 for index in range(job.params.n):
                     rid = self.engine.add_request(ids, one, group_id=position, index=index)
                     rids.append((rid, position, index))
-        except ValueError as err:  # e.g. stop strings without a tokenizer
-            job.error = str(err)
+        except Exception as err:  # a ValueError is the request's (stop strings without a tokenizer, ...)
+            if isinstance(err, ValueError):
+                job.error = RequestError(HTTPStatus.BAD_REQUEST, str(err))
+            else:
+                log.exception("admitting a request failed")
+                job.error = RequestError(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(err).__name__}: {err}", "server_error"
+                )
             job.done.set()
             self._drain_engine([rid for rid, _, _ in rids])
             return
@@ -191,7 +249,7 @@ class EngineServer:
     def completions(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_model(body)
         prompt = body.get("prompt")
-        prompts = self._prompt_ids(prompt)
+        prompts = self.on_engine(lambda: self._prompt_ids(prompt))
         job = self._generate(prompts, body, default_max_tokens=16)
         choices = []
         for position in range(len(prompts)):
@@ -203,7 +261,7 @@ class EngineServer:
                     "finish_reason": _FINISH[sample.status],
                     "logprobs": None,
                 }
-                if body.get("logprobs") is not None:
+                if body.get("logprobs") not in (None, False):  # an int: 0 (no alternatives) or 1
                     choice["logprobs"] = {
                         "tokens": self._token_strings(sample.response_ids),
                         "token_logprobs": list(sample.rollout_logprobs),
@@ -218,25 +276,12 @@ class EngineServer:
 
     def chat_completions(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(
-                HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list of {role, content}"
-            )
-        for m in messages:
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise RequestError(
-                    HTTPStatus.BAD_REQUEST, "each message needs a string 'role' and a string 'content'"
-                )
+        messages = [_message(m) for m in _messages(body.get("messages"))]
         if self.engine.tokenizer is None:
             raise RequestError(
                 HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
             )
-        prompts = [self.formatter.ids([{"role": m["role"], "content": m["content"]} for m in messages])]
+        prompts = [self.on_engine(lambda: self.formatter.ids(messages))]
         job = self._generate(prompts, body, default_max_tokens=None)
         choices = []
         for index in range(job.params.n):
@@ -299,7 +344,7 @@ class EngineServer:
         params = _sampling_params(body, default_max_tokens, self.engine.max_context, prompts)
         job = self.run(prompts, params)
         if job.error is not None:
-            raise RequestError(HTTPStatus.BAD_REQUEST, job.error)
+            raise job.error
         for sample in job.results.values():
             if sample.status == SampleStatus.ABORTED:  # refused by the engine (too long for the context, ...)
                 raise RequestError(HTTPStatus.BAD_REQUEST, sample.metadata.get("error", "request aborted"))
@@ -307,7 +352,9 @@ class EngineServer:
 
     def _token_strings(self, ids: list[int]) -> list[str]:
         tokenizer = self.engine.tokenizer
-        return [tokenizer.decode([t]) for t in ids] if tokenizer is not None else [str(t) for t in ids]
+        if tokenizer is None:
+            return [str(t) for t in ids]
+        return self.on_engine(lambda: [tokenizer.decode([t]) for t in ids])
 
     def _envelope(
         self, kind: str, prefix: str, choices: list[dict[str, Any]], prompts: list[list[int]], job: _Job
@@ -341,7 +388,20 @@ def _sampling_params(
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (only 0)")
     if body.get("best_of") not in (None, 1):
         raise RequestError(HTTPStatus.BAD_REQUEST, "'best_of' > 1 is not supported")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    for key in ("tools", "tool_choice", "functions", "function_call", "response_format"):
+        if body.get(key) not in (None, [], "none"):
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (no tool calling or JSON mode)"
+            )
+    if body.get("top_logprobs") not in (None, 0) or body.get("logprobs") not in (None, False, True, 0, 1):
+        raise RequestError(
+            HTTPStatus.BAD_REQUEST, "alternatives' logprobs (top_logprobs, logprobs > 1) are not supported"
+        )
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
     if max_tokens is None:  # chat: up to the end of the context
         max_tokens = max(1, max_context - max(len(p) for p in prompts))
     stop = body.get("stop") or []
@@ -362,6 +422,33 @@ def _sampling_params(
         raise RequestError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {err}") from err
 
 
+def _messages(messages: Any) -> list[Any]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list of {role, content}")
+    return messages
+
+
+def _message(m: Any) -> dict[str, str]:
+    """A chat message as {role, content}: text content parts are joined; an assistant's null content is ''."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "each message needs a string 'role' and a 'content'")
+    content = m.get("content")
+    if content is None and m["role"] == "assistant":
+        content = ""
+    if isinstance(content, list):
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "a message's 'content' must be a string or text parts")
+    if m.get("tool_calls"):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "messages with 'tool_calls' are not supported")
+    return {"role": m["role"], "content": content}
+
+
 def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
     routes = {
         ("POST", "/v1/completions"): server.completions,
@@ -373,7 +460,10 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path == "/health":
-                self._send(HTTPStatus.OK, {"status": "ok"})
+                if server.engine_alive:
+                    self._send(HTTPStatus.OK, {"status": "ok"})
+                else:
+                    self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"status": "engine thread stopped"})
             elif self.path == "/v1/models":
                 self._authorized() and self._send(HTTPStatus.OK, server.models())
             else:
@@ -402,8 +492,10 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
         def _authorized(self) -> bool:
             if server.api_key is None:
                 return True
-            given = self.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+            scheme, _, token = self.headers.get("Authorization", "").strip().partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), server.api_key.encode()
+            ):
                 return True
             self._discard_body()
             self._error(
@@ -411,8 +503,21 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             )
             return False
 
+        def _length(self) -> int | None:
+            """The body's length; None where it cannot be read safely (the connection is then closed)."""
+            if self.headers.get("Transfer-Encoding"):
+                return None
+            value = (self.headers.get("Content-Length") or "0").strip()
+            return int(value) if value.isdigit() else None
+
         def _body(self) -> dict[str, Any]:
-            length = int(self.headers.get("Content-Length") or 0)
+            if self.headers.get("Transfer-Encoding"):
+                raise RequestError(
+                    HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length (no chunked bodies)"
+                )
+            length = self._length()
+            if length is None:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length must be a non-negative integer")
             if length > MAX_BODY_BYTES:
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
             raw = self.rfile.read(length)
@@ -425,9 +530,11 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             return body
 
         def _discard_body(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if 0 < length <= MAX_BODY_BYTES:
+            length = self._length()
+            if length is not None and 0 < length <= MAX_BODY_BYTES:
                 self.rfile.read(length)
+            else:
+                self.close_connection = True
 
         def _error(self, err: RequestError) -> None:
             self.close_connection = (

@@ -168,7 +168,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
         "recipe=grpo_math",
         "trainer.max_steps=4",
         "trainer.save_every=2",
-        "trainer.eval_every=0",
+        "trainer.eval_every=2",  # an eval at the checkpoint's step: the next step must not depend on it
+        "data.test_size=8",
         "rollout.rollout_batch_size=4",
         "rollout.n_samples_per_prompt=4",
         "trainer.global_batch_size=8",  # two optimizer steps a rollout: the schedule position matters
@@ -185,13 +186,21 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
     out = run_miles(tmp_path, *common, f"trainer.resume_from={step2}", "trainer.keep_last=1", run_dir=resumed)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_000004"]  # keep_last=1
+    assert "setting(s) changed" not in out.stdout + out.stderr
 
     def records(run: Path) -> list[dict]:
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert [r["step"] for r in records(resumed)] == [3, 4]
-    for mine, theirs in zip(records(resumed), records(whole)[2:], strict=True):
-        for key in ("reward/mean", "train/loss", "train/grad_norm", "train/lr", "response_length/mean"):
+    for mine, theirs in zip(records(resumed), records(whole)[-2:], strict=True):  # (its steps 0-4)
+        for key in (
+            "reward/mean",
+            "train/loss",
+            "train/grad_norm",
+            "train/lr",
+            "response_length/mean",
+            "rollout/output_tokens",  # the step's own generation: not the eval's before it
+        ):
             assert mine[key] == theirs[key], (mine["step"], key)
     final_whole = load_file(str(whole / "checkpoints" / "step_000004" / "model.safetensors"))
     final_resumed = load_file(str(resumed / "checkpoints" / "step_000004" / "model.safetensors"))
@@ -210,6 +219,11 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
     fifth, sixth = records(runs / "longer")
     assert (fifth["step"], sixth["step"]) == (5, 6)
     assert fifth["train/lr"] > 1.5e-5 and sixth["train/lr"] == pytest.approx(1e-5)
+    # A changed setting is named (the run goes on: it may be meant).
+    out = run_miles(tmp_path, *longer, "trainer.lr=3e-4", f"trainer.resume_from={step2}", run_dir=runs / "lr")
+    assert out.returncode == 0 and "trainer.lr: 0.0001 -> 0.0003" in out.stdout + out.stderr, out.stderr[
+        -2000:
+    ]
     # A checkpoint without the trainer's state says how to start from its weights instead.
     (step2 / "resume" / "run_state.json").unlink()
     out = run_miles(tmp_path, *common, f"trainer.resume_from={step2}", run_dir=runs / "bad")

@@ -221,13 +221,23 @@ def test_build_random_model_on_device_dtype_and_seed() -> None:
 
 
 def test_checkpoint_permissions_follow_umask(tmp_path: Path) -> None:
+    """Modes as mkdir / open would give them, subfolders included (a run's resume/ state, which safetensors
+    writes 0600): root's CI reads any mode, so the modes themselves are checked."""
+
+    def extra(folder: Path) -> None:
+        (folder / "resume").mkdir()
+        (folder / "resume" / "state.bin").write_bytes(b"x")
+        (folder / "resume" / "state.bin").chmod(0o600)
+
     umask = os.umask(0o022)
     try:
-        folder = save_pretrained(tiny("qwen3"), tmp_path / "ckpt")
+        folder = save_pretrained(tiny("qwen3"), tmp_path / "ckpt", write_extra=extra)
     finally:
         os.umask(umask)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755
-    assert {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {0o644}
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o644} and len(files) > 2
+    assert stat.S_IMODE((folder / "resume").stat().st_mode) == 0o755
 
 
 def test_unsupported_config_fields_are_refused(tmp_path: Path) -> None:

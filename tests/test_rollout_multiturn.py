@@ -9,7 +9,7 @@ import torch
 from rollout_helpers import assert_pool_clean, full_forward_logprobs, rollout_config, tiny_model
 
 from miles.rollout import Engine, SamplingParams
-from miles.rollout.multiturn import EngineClient, MultiTurnRollout, Trajectory
+from miles.rollout.multiturn import EngineClient, EngineRefused, MultiTurnRollout, Trajectory
 from miles.sample import Sample, SampleStatus
 
 pytestmark = pytest.mark.usefixtures("overlap_mode")  # each test in the sync and the overlapped step loop
@@ -194,3 +194,51 @@ def test_the_readme_calculator_plugin() -> None:
     masked = "".join(chars[t] for t, m in zip(out.response_ids, out.loss_mask) if not m)
     assert masked == "=5=12" and out.metadata["turns"] == 3
     assert client.prompts[1] == prompt.prompt_ids + out.response_ids[: len("<calc>12-7</calc>=5")]
+
+
+def test_asyncio_state_of_a_plugin_lasts_from_batch_to_batch() -> None:
+    """One event loop for the rollout's life: a module-level semaphore (a client, a queue) bound to it by the
+    first batch still works in the second."""
+    gate = asyncio.Semaphore(2)
+
+    async def gated(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        async with gate:
+            return await client.generate(sample.prompt_ids, params.with_(max_new_tokens=3))
+
+    rollout = MultiTurnRollout(Engine(tiny_model(False, seed=1), None, config()), gated)
+    for _ in range(2):
+        samples = rollout.generate(PROMPTS, PARAMS)
+        assert all(s.status != SampleStatus.ABORTED for s in samples), [s.metadata for s in samples]
+
+
+def test_a_batch_from_inside_a_running_event_loop() -> None:
+    rollout = MultiTurnRollout(Engine(tiny_model(False, seed=1), None, config()), two_turns)
+
+    async def notebook_cell() -> list[Sample]:
+        return rollout.generate(PROMPTS[:1], PARAMS)
+
+    assert len(asyncio.run(notebook_cell())) == 2
+
+
+def test_a_misconfigured_turn_fails_the_batch_and_a_cancelled_one_its_sample() -> None:
+    engine = Engine(tiny_model(False, seed=1), None, config())  # no tokenizer: stop strings cannot work
+
+    async def stop_strings(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        return await client.generate(sample.prompt_ids, params.with_(stop=["\n"]))
+
+    with pytest.raises(EngineRefused, match="stop strings need a tokenizer"):
+        MultiTurnRollout(engine, stop_strings).generate(PROMPTS, PARAMS)
+    assert_pool_clean(engine)
+
+    async def cancels(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        turn = asyncio.ensure_future(client.generate(sample.prompt_ids, params.with_(max_new_tokens=3)))
+        if sample.index == 1:
+            turn.cancel()
+        return await turn
+
+    rollout = MultiTurnRollout(engine, cancels)
+    samples = rollout.generate(PROMPTS, PARAMS)
+    assert [s.status == SampleStatus.ABORTED for s in samples] == [False, True] * len(PROMPTS)
+    assert rollout.metrics()["rollout/generate_errors"] == len(PROMPTS)
+    assert not engine.has_unfinished and not engine._results
+    assert_pool_clean(engine)

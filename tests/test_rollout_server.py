@@ -25,10 +25,11 @@ def loaded():  # noqa: ANN201
     return load_model(MODEL)
 
 
-def start(loaded: Any, api_key: str | None = None) -> EngineServer:
+def start(loaded: Any, api_key: str | None = None, request_timeout_s: float = 3600.0) -> EngineServer:
     engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig(kv_cache_bytes=16 * 1024 * 1024))
+    formatter = PromptFormatter(loaded.tokenizer, DataConfig())
     server = EngineServer(
-        engine, PromptFormatter(loaded.tokenizer, DataConfig()), "tiny", port=0, api_key=api_key
+        engine, formatter, "tiny", port=0, api_key=api_key, request_timeout_s=request_timeout_s
     )
     server.start()
     return server
@@ -169,5 +170,97 @@ def test_an_api_key_is_required_when_set(loaded: Any) -> None:
         )
         assert status == 200
         assert call(server, "/health")[0] == 200  # liveness stays open
+    finally:
+        server.shutdown()
+
+
+def test_one_bad_request_does_not_fail_the_others(server: EngineServer) -> None:
+    """A request that fails (here a stop list of numbers, refused before it reaches the engine) costs only
+    itself, even while others run beside it."""
+    results: dict[str, tuple[int, Any]] = {}
+
+    def good() -> None:
+        results["good"] = call(
+            server, "/v1/completions", {"prompt": [30, 31], "max_tokens": 30, "ignore_eos": True}
+        )
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    results["bad"] = call(server, "/v1/completions", {"prompt": [30, 31], "max_tokens": 5, "stop": [1]})
+    thread.join()
+    assert results["bad"][0] == 400 and "non-empty strings" in results["bad"][1]["error"]["message"]
+    assert results["good"][0] == 200 and results["good"][1]["usage"]["completion_tokens"] == 30
+
+
+def test_openai_fields_the_server_reads_and_those_it_refuses(server: EngineServer) -> None:
+    ok = {"prompt": "12+7=", "max_tokens": 3, "max_completion_tokens": None, "logprobs": False}
+    status, out = call(server, "/v1/completions", ok)
+    assert status == 200 and out["choices"][0]["logprobs"] is None and out["usage"]["completion_tokens"] <= 3
+    status, out = call(server, "/v1/completions", {"prompt": "12+7=", "max_tokens": None})
+    assert status == 200 and out["usage"]["completion_tokens"] <= 16  # OpenAI's default
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "1+1?"}]},
+    ]
+    status, out = call(
+        server, "/v1/chat/completions", {"messages": parts, "max_tokens": 4, "return_token_ids": True}
+    )
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+1?"}]
+    status_plain, out_plain = call(
+        server, "/v1/chat/completions", {"messages": plain, "max_tokens": 4, "return_token_ids": True}
+    )
+    assert status == status_plain == 200
+    assert out["choices"][0]["prompt_token_ids"] == out_plain["choices"][0]["prompt_token_ids"]
+    refused = [
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "'tools' is not supported"),
+        ({"prompt": "x", "logprobs": 5}, "alternatives"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ]
+    for body, message in refused:
+        status, out = call(server, "/v1/completions", body)
+        assert status == 400 and message in out["error"]["message"], (body, out)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    status, out = call(server, "/v1/chat/completions", {"messages": image})
+    assert status == 400 and "text content parts" in out["error"]["message"]
+
+
+def test_broken_framing_is_refused_and_the_connection_closed(server: EngineServer) -> None:
+    import http.client
+
+    host, port = server.httpd.server_address[:2]
+    for headers, code in (({"Content-Length": "-1"}, 400), ({"Transfer-Encoding": "chunked"}, 411)):
+        connection = http.client.HTTPConnection(host, port, timeout=10)
+        connection.putrequest("POST", "/v1/completions")
+        for key, value in headers.items():
+            connection.putheader(key, value)
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == code and response.getheader("Connection") == "close"
+        connection.close()
+
+
+def test_a_request_past_its_timeout_is_aborted(loaded: Any) -> None:
+    server = start(loaded, request_timeout_s=0.3)
+    try:
+        status, out = call(
+            server, "/v1/completions", {"prompt": [40, 41], "max_tokens": 900, "ignore_eos": True}
+        )
+        assert status == 504 and out["error"]["type"] == "timeout"
+        for _ in range(200):  # the engine thread aborts it at its next look at the queue
+            if not server.engine.has_unfinished:
+                break
+            threading.Event().wait(0.05)
+        assert not server.engine.has_unfinished
+        assert call(server, "/health") == (200, {"status": "ok"})
+    finally:
+        server.shutdown()
+
+
+def test_the_bearer_scheme_is_case_insensitive(loaded: Any) -> None:
+    server = start(loaded, api_key="k")
+    try:
+        status, _ = call(server, "/v1/models", headers={"Authorization": "bearer k"})
+        assert status == 200
     finally:
         server.shutdown()

@@ -277,8 +277,8 @@ def _apply_umask(folder: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     folder.chmod(0o777 & ~umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
+    for path in folder.rglob("*"):  # subfolders too (a run's resume/ state): searchable, like mkdir's
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
