@@ -79,6 +79,9 @@ class RolloutConfig:
     """Token budget of one engine step (prefill chunks + decodes)."""
     max_running_requests: int = 256
     """Most requests decoding at once."""
+    max_context: int | None = None
+    """Longest prompt + response (None: the model's context, YaRN's factor included); a lower value keeps the
+    request table smaller."""
     kv_cache_bytes: int = 256 * 1024 * 1024
     """KV pool size on CPU (bytes)."""
     kv_cache_fraction: float = 0.5

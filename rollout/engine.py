@@ -153,7 +153,14 @@ class Engine:
         self.backend = resolve_backend(cfg.backend, self.device, self.dtype, self.args.head_dim)
         layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size, cfg.record_routing)
         self.pool = KVPool(layout, self._pool_pages(layout), self.device)
-        self.max_context = self.args.max_position_embeddings
+        self.max_context = self.args.context_length
+        if cfg.max_context is not None:
+            if not 1 < cfg.max_context <= self.max_context:
+                raise ValueError(
+                    f"rollout.max_context must be in [2, {self.max_context}] (the model's context: "
+                    f"max_position_embeddings, times YaRN's factor), got {cfg.max_context}"
+                )
+            self.max_context = cfg.max_context
         table = RequestTable(
             cfg.max_running_requests, min(self.max_context, self.pool.capacity_tokens), self.device
         )
@@ -604,9 +611,9 @@ class Engine:
             return f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})"
         if len(ids) + 1 > self.max_context:
             return (
-                f"prompt has {len(ids)} tokens but the model's context is {self.max_context} tokens "
-                "(max_position_embeddings), so no token can be generated; drop or truncate long prompts "
-                "(data.max_prompt_length)"
+                f"prompt has {len(ids)} tokens but the context is {self.max_context} tokens "
+                "(max_position_embeddings, YaRN's factor, rollout.max_context), so no token can be generated; "
+                "drop or truncate long prompts (data.max_prompt_length)"
             )
         if len(ids) > self.pool.capacity_tokens:
             return (

@@ -384,3 +384,30 @@ def test_decode_kernel_choice() -> None:
         decode_uses_tensor_cores("cuda-cores", "fa3", 2)
     with pytest.raises(ValueError, match="flashinfer_decode must be one of auto, tensor-cores, cuda-cores"):
         Engine(tiny_model(False), None, RolloutConfig(flashinfer_decode="tensor_cores"))
+
+
+def test_context_length_takes_yarn_s_factor_and_rollout_max_context_caps_it() -> None:
+    from miles.models import ModelArgs
+
+    qwen_long = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert ModelArgs(max_position_embeddings=40960, rope_scaling=qwen_long).context_length == 131072
+    assert ModelArgs(max_position_embeddings=40960).context_length == 40960
+    assert (
+        ModelArgs(
+            max_position_embeddings=64, rope_scaling={"rope_type": "yarn", "factor": 2.0}
+        ).context_length
+        == 128
+    )
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
+    model = tiny_model(False, seed=1, max_position_embeddings=32, rope_scaling=yarn)
+    engine = Engine(model, None, config())
+    assert engine.max_context == 64
+    (long,) = engine.generate([list(range(1, 41))], GREEDY.with_(max_new_tokens=30))  # past position 32
+    assert long.status == SampleStatus.TRUNCATED and len(long.response_ids) == 64 - 40
+    capped = Engine(model, None, config(max_context=48))
+    (short,) = capped.generate([list(range(1, 41))], GREEDY.with_(max_new_tokens=30))
+    assert len(short.response_ids) == 48 - 40 and short.response_ids == long.response_ids[:8]
+    (refused,) = capped.generate([list(range(1, 50))], GREEDY)
+    assert refused.status == SampleStatus.ABORTED and "rollout.max_context" in refused.metadata["error"]
+    with pytest.raises(ValueError, match="rollout.max_context must be in"):
+        Engine(model, None, config(max_context=65))

@@ -83,6 +83,17 @@ class ModelArgs:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     @property
+    def context_length(self) -> int:
+        """Tokens a sequence may hold: max_position_embeddings, or with YaRN its factor times the original
+        context when that is longer (Qwen3's long-context configs keep max_position_embeddings 40960 beside
+        factor 4 over 32768: 131072; vLLM derives its max_model_len the same way)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor"):
+            original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(scaling["factor"] * original))
+        return self.max_position_embeddings
+
+    @property
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
             return []
