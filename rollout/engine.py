@@ -381,6 +381,18 @@ class Engine:
     def take_result(self, rid: int) -> Sample | None:
         return self._results.pop(rid, None)
 
+    def partial_output(self, rid: int) -> list[int] | None:
+        """The tokens a running request has generated so far (a token still on the device left out), for
+        streaming; None once it finished (its result is then waiting in `take_result`) or if unknown."""
+        req = self._requests.get(rid)
+        if req is None or req.finished:
+            return None
+        ids = req.output_ids
+        end = len(ids)
+        while end and ids[end - 1] < 0:  # placeholders of tokens in flight (overlap scheduling)
+            end -= 1
+        return ids[:end]
+
     # Inference mode, not just no_grad: tensors made in a step carry no autograd state at all, which makes
     # every op's dispatch cheaper (a decode step of the tiny CPU model: ~7 % faster). What a step creates
     # stays inside the engine's own steps (staging, plans, graphs); the pool, the table and the weights are

@@ -9,8 +9,11 @@ keys are never logged.
 Beyond OpenAI's fields, a request may set `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and
 `return_token_ids` (the prompt's and each choice's token ids, for token-in/token-out clients). `logprobs`
 returns the sampled tokens' logprobs, under the distribution they were sampled from (temperature, top-p...:
-the engine's convention, docs/rollout.md), without alternatives. Not supported, and refused with a 400
-rather than ignored: `stream`, `echo`, `suffix`, `best_of` > 1, non-zero `frequency_penalty` /
+the engine's convention, docs/rollout.md), without alternatives. `stream: true` sends server-sent events
+(OpenAI's chunks, then `data: [DONE]`; `stream_options.include_usage` adds the usage), holding back the
+last characters while a stop string could still take them back; a client that hangs up stops its
+generation. Not supported, and refused with a 400 rather than ignored: `echo`, `suffix`, `best_of` > 1,
+logprobs or token ids with streaming, non-zero `frequency_penalty` /
 `presence_penalty`, `logit_bias`, `top_logprobs` > 0, tool calling (`tools`, `tool_calls`, ...) and
 `response_format`. Chat content may be a string or text parts. Tokenizing runs on the engine's thread
 (the tokenizer is the engine's); a request waiting past `request_timeout_s` gets a 504 and what it still
@@ -20,13 +23,14 @@ runs is aborted.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,6 +65,11 @@ class _Job:
     cancelled: bool = False
     """Its client stopped waiting: what it still runs is aborted."""
     done: threading.Event = field(default_factory=threading.Event)
+    events: queue.Queue[tuple[int, int, str, str | None] | None] | None = None
+    """Streaming: (prompt position, sample index, new text, finish reason or None) as tokens come, then None
+    once every sample finished (or the job failed: `error`)."""
+    sent: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Streaming: the text each sample has sent (the engine thread's)."""
 
 
 @dataclass
@@ -192,20 +201,48 @@ class EngineServer:
                         "server_error",
                     )
                     failed.done.set()
+                    if failed.events is not None:
+                        failed.events.put(None)
                 self._drain_engine(list(pending))
                 pending.clear()
                 waiting.clear()
                 continue
             for rid in list(pending):
                 sample = self.engine.take_result(rid)
+                job, position, index = pending[rid]
                 if sample is None:
+                    if job.events is not None:
+                        self._stream_partial(job, position, index, self.engine.partial_output(rid))
                     continue
-                job, position, index = pending.pop(rid)
+                del pending[rid]
                 job.results[position, index] = sample
+                if job.events is not None:
+                    self._stream_final(job, position, index, sample)
                 waiting[id(job)] -= 1
                 if waiting[id(job)] == 0:
                     del waiting[id(job)]
                     job.done.set()
+                    if job.events is not None:
+                        job.events.put(None)
+
+    def _stream_partial(self, job: _Job, position: int, index: int, ids: list[int] | None) -> None:
+        """New text of a running sample, less what a stop string may still take back (its length less one
+        character) and a character whose bytes are not all decoded yet."""
+        if not ids:
+            return
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        hold = max((len(stop) for stop in job.params.stop), default=1) - 1
+        safe = text[: len(text) - hold] if hold else text
+        safe = safe.rstrip("\ufffd")
+        sent = job.sent.get((position, index), "")
+        if len(safe) > len(sent) and safe.startswith(sent):
+            job.sent[position, index] = safe
+            job.events.put((position, index, safe[len(sent) :], None))  # type: ignore[union-attr]
+
+    def _stream_final(self, job: _Job, position: int, index: int, sample: Sample) -> None:
+        sent, final = job.sent.get((position, index), ""), sample.response_text
+        tail = final[len(sent) :] if final.startswith(sent) else ""
+        job.events.put((position, index, tail, _FINISH.get(sample.status, "abort")))  # type: ignore[union-attr]
 
     def _admit(self, job: _Job, pending: dict[int, tuple[_Job, int, int]], waiting: dict[int, int]) -> None:
         one = job.params.with_(n=1)
@@ -224,6 +261,8 @@ class EngineServer:
                     HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(err).__name__}: {err}", "server_error"
                 )
             job.done.set()
+            if job.events is not None:
+                job.events.put(None)
             self._drain_engine([rid for rid, _, _ in rids])
             return
         for rid, position, index in rids:
@@ -246,10 +285,12 @@ class EngineServer:
                 break
 
     # requests --------------------------------------------------------------------------------------
-    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+    def completions(self, body: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
         self._check_model(body)
         prompt = body.get("prompt")
         prompts = self.on_engine(lambda: self._prompt_ids(prompt))
+        if body.get("stream"):
+            return self._stream(prompts, body, 16, "text_completion", "cmpl")
         job = self._generate(prompts, body, default_max_tokens=16)
         choices = []
         for position in range(len(prompts)):
@@ -274,7 +315,7 @@ class EngineServer:
                 choices.append(choice)
         return self._envelope("text_completion", "cmpl", choices, prompts, job)
 
-    def chat_completions(self, body: dict[str, Any]) -> dict[str, Any]:
+    def chat_completions(self, body: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
         self._check_model(body)
         messages = [_message(m) for m in _messages(body.get("messages"))]
         if self.engine.tokenizer is None:
@@ -282,6 +323,8 @@ class EngineServer:
                 HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
             )
         prompts = [self.on_engine(lambda: self.formatter.ids(messages))]
+        if body.get("stream"):
+            return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl")
         job = self._generate(prompts, body, default_max_tokens=None)
         choices = []
         for index in range(job.params.n):
@@ -350,6 +393,96 @@ class EngineServer:
                 raise RequestError(HTTPStatus.BAD_REQUEST, sample.metadata.get("error", "request aborted"))
         return job
 
+    def _stream(
+        self,
+        prompts: list[list[int]],
+        body: dict[str, Any],
+        default_max_tokens: int | None,
+        kind: str,
+        prefix: str,
+    ) -> Iterator[dict[str, Any]]:
+        """Server-sent events: the text of each choice as it is generated (OpenAI's chunk objects)."""
+        if self.engine.tokenizer is None:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "streaming needs a tokenizer; send stream=false")
+        if body.get("logprobs") not in (None, False, 0) or body.get("return_token_ids"):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs and return_token_ids need stream=false")
+        params = _sampling_params(body, default_max_tokens, self.engine.max_context, prompts)
+        for ids in prompts:  # refused before any event, as a non-streamed request would be
+            if len(ids) + 1 > self.engine.max_context:
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"prompt has {len(ids)} tokens; the context is {self.engine.max_context}",
+                )
+        job = _Job(prompts, params, events=queue.Queue())
+        self._jobs.put(job)
+        options = body.get("stream_options") or {}
+        return self._events(job, kind, prefix, bool(options.get("include_usage")))
+
+    def _events(self, job: _Job, kind: str, prefix: str, include_usage: bool) -> Iterator[dict[str, Any]]:
+        ident, created, n = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), job.params.n
+        chat = kind == "chat.completion.chunk"
+
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            return {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+
+        finished = False
+        try:
+            if chat:  # OpenAI opens each choice with the role
+                yield chunk(
+                    [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        for i in range(len(job.prompts) * n)
+                    ]
+                )
+            while True:
+                try:
+                    event = job.events.get(timeout=self.request_timeout_s)  # type: ignore[union-attr]
+                except queue.Empty:
+                    yield {
+                        "error": {"message": "generation stalled past the request timeout", "type": "timeout"}
+                    }
+                    return
+                if event is None:
+                    break
+                position, index, text, finish = event
+                if chat:
+                    delta = {"content": text} if text else {}
+                    yield chunk([{"index": position * n + index, "delta": delta, "finish_reason": finish}])
+                else:
+                    yield chunk(
+                        [
+                            {
+                                "index": position * n + index,
+                                "text": text,
+                                "finish_reason": finish,
+                                "logprobs": None,
+                            }
+                        ]
+                    )
+            finished = True
+            if job.error is not None:
+                yield {"error": {"message": job.error.message, "type": job.error.kind}}
+                return
+            if include_usage:
+                completion = sum(len(s.response_ids) for s in job.results.values())
+                prompt_tokens = sum(len(p) for p in job.prompts)
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion,
+                }
+                yield {**chunk([]), "usage": usage}
+        finally:
+            if not finished:  # the client went away (or the stream stalled): stop generating for it
+                job.cancelled = True
+                self._jobs.put(job)
+
     def _token_strings(self, ids: list[int]) -> list[str]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -378,8 +511,6 @@ class EngineServer:
 def _sampling_params(
     body: dict[str, Any], default_max_tokens: int | None, max_context: int, prompts: list[list[int]]
 ) -> SamplingParams:
-    if body.get("stream"):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "stream=true is not supported; send stream=false")
     for key, off in (("echo", False), ("suffix", None), ("logit_bias", None)):
         if body.get(key) not in (off, None, {}):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported")
@@ -478,7 +609,11 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             if not self._authorized():
                 return
             try:
-                self._send(HTTPStatus.OK, route(self._body()))
+                result = route(self._body())
+                if isinstance(result, dict):
+                    self._send(HTTPStatus.OK, result)
+                else:
+                    self._send_events(result)
             except RequestError as err:
                 self._error(err)
             except Exception as err:  # a bug: the request fails, the server stays up
@@ -543,6 +678,26 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             self._send(
                 err.status, {"error": {"message": err.message, "type": err.kind, "code": int(err.status)}}
             )
+
+        def _send_events(self, events: Iterator[dict[str, Any]]) -> None:
+            """Server-sent events, then `data: [DONE]`; the connection closes at the end (no length)."""
+            first = next(events)  # a RequestError before any event still becomes a plain error response
+            self.close_connection = True
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for event in itertools.chain([first], events):
+                    self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client left: closing the iterator cancels its generation
+            finally:
+                events.close()  # type: ignore[attr-defined]
 
         def _send(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()

@@ -143,7 +143,7 @@ def test_bad_requests_get_a_clear_error_and_the_server_stays_up(server: EngineSe
         ("/v1/completions", b"{not json", 400, "not JSON"),
         ("/v1/completions", {"prompt": 3}, 400, "'prompt' must be"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "serves 'tiny'"),
-        ("/v1/completions", {"prompt": "x", "stream": True}, 400, "stream=true is not supported"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "logprobs": 1}, 400, "need stream=false"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
         ("/v1/completions", {"prompt": [5] * 5000}, 400, "context"),
@@ -264,3 +264,65 @@ def test_the_bearer_scheme_is_case_insensitive(loaded: Any) -> None:
         assert status == 200
     finally:
         server.shutdown()
+
+
+def stream(server: EngineServer, path: str, body: dict[str, Any]) -> list[Any]:
+    """The events of a streamed request, `[DONE]` last."""
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        lines = [line.decode().strip() for line in response]
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_streamed_text_is_the_whole_text(server: EngineServer) -> None:
+    body = {
+        "prompt": "Ann has 12 pens and gives away 7. How many pens are left?",
+        "max_tokens": 20,
+        "n": 2,
+        "temperature": 0.9,
+        "seed": 3,
+    }
+    _, whole = call(server, "/v1/completions", body)
+    events = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    chunks = [c for e in events[:-2] for c in e["choices"]]
+    for choice in whole["choices"]:
+        mine = [c for c in chunks if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine][-1] == choice["finish_reason"]
+        assert all(c["finish_reason"] is None for c in mine[:-1]) and len(mine) > 2  # token by token
+
+
+def test_streamed_chat_never_sends_what_a_stop_string_takes_back(server: EngineServer) -> None:
+    messages = [{"role": "user", "content": "Ann has 12 pens and gives away 7. How many pens are left?"}]
+    body = {"messages": messages, "temperature": 0, "max_tokens": 30, "stop": ["####"]}
+    _, whole = call(server, "/v1/chat/completions", body)
+    events = stream(server, "/v1/chat/completions", body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    deltas = [e["choices"][0]["delta"].get("content", "") for e in events[1:-1]]
+    assert "".join(deltas) == whole["choices"][0]["message"]["content"] and not any("#" in d for d in deltas)
+    assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_client_that_hangs_up_stops_its_generation(server: EngineServer) -> None:
+    import http.client
+
+    host, port = server.httpd.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    body = json.dumps({"prompt": [50, 51], "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.close()  # hangs up mid-stream
+    for _ in range(400):
+        if not server.engine.has_unfinished:
+            break
+        threading.Event().wait(0.05)
+    assert not server.engine.has_unfinished
