@@ -272,6 +272,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     finally:
         if busy is not None:
             busy[1].stop()
+        if multiturn is not None:
+            multiturn.close()
         tracker.close()
         rewards.close()
     return last
