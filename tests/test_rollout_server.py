@@ -312,17 +312,21 @@ def test_streamed_chat_never_sends_what_a_stop_string_takes_back(server: EngineS
 
 
 def test_a_client_that_hangs_up_stops_its_generation(server: EngineServer) -> None:
-    import http.client
+    import socket
 
     host, port = server.httpd.server_address[:2]
-    connection = http.client.HTTPConnection(host, port, timeout=30)
-    body = json.dumps({"prompt": [50, 51], "max_tokens": 2000, "ignore_eos": True, "stream": True})
-    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
-    connection.close()  # hangs up mid-stream
+    aborted = server.engine.stats.aborted
+    body = json.dumps({"prompt": [50, 51], "max_tokens": 1000, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((host, port), timeout=30) as client:
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert client.recv(4096).startswith(b"HTTP/1.1 200")  # the stream is under way
+    # Hung up: the server's next writes fail and it aborts the request instead of generating 1000 tokens.
     for _ in range(400):
         if not server.engine.has_unfinished:
             break
         threading.Event().wait(0.05)
-    assert not server.engine.has_unfinished
+    assert not server.engine.has_unfinished and server.engine.stats.aborted == aborted + 1
