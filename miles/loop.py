@@ -110,7 +110,9 @@ def prepare_inputs(cfg: MilesConfig) -> RunInputs:
     return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos)
 
 
-def resume_run(cfg: MilesConfig, run_dir: Path, model: Any, trainer: Any, loader: PromptLoader) -> int:
+def resume_run(
+    cfg: MilesConfig, run_dir: Path, model: Any, engine: Any, trainer: Any, loader: PromptLoader
+) -> int:
     """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run;
     returns the step it finished."""
     from miles.models.checkpoint import iter_hf_tensors, load_state_into
@@ -134,6 +136,7 @@ def resume_run(cfg: MilesConfig, run_dir: Path, model: Any, trainer: Any, loader
         log.info("trainer.max_steps %d -> %d: the LR schedule is re-sized", state.max_steps, max_steps)
         trainer.total_optimizer_steps = None
     loader.load_state_dict(state.loader)
+    engine.load_state_dict(state.engine)
     restore_rng(state)
     log.info("resumed from %s (step %d)", folder, state.step)
     return state.step
@@ -190,7 +193,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
     first_step = 1
     if cfg.trainer.resume_from:
-        first_step = resume_run(cfg, run_dir, model, trainer, loader) + 1
+        first_step = resume_run(cfg, run_dir, model, engine, trainer, loader) + 1
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -202,7 +205,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
 
     def write_resume_state(step: int) -> Callable[[Path], None]:
         return lambda folder: write_run_state(
-            folder, step, redact(asdict(cfg)), trainer.state_dict(), loader.state_dict()
+            folder, step, redact(asdict(cfg)), trainer.state_dict(), loader.state_dict(), engine.state_dict()
         )
 
     def run_eval() -> dict[str, float]:

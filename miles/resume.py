@@ -3,7 +3,8 @@
 A checkpoint folder `checkpoints/step_N/` holds the model in Hugging Face format and, in its `resume/`
 subfolder, what the run needs to go on as if it had never stopped: `trainer_state.safetensors` (the
 optimizer's tensors and the torch RNG state) and `run_state.json` (the step, the optimizer's schedule
-position and hyper-parameters, the prompt loader's epoch, order and position, Python's RNG state). A
+position and hyper-parameters, the prompt loader's epoch, order and position, the engine's counter for
+unseeded requests, Python's RNG state, the run's config). A
 subfolder, so that tools which load every top-level `*.safetensors` of a model folder (ours included) see
 the model alone. Both are written before the folder is renamed into place, so a checkpoint is whole or
 absent. Tensors go through safetensors only.
@@ -45,6 +46,8 @@ class RunState:
     """`TorchTrainer.state_dict()`: {"tensors": ..., "meta": ...}."""
     loader: dict[str, Any]
     """`PromptLoader.state_dict()`."""
+    engine: dict[str, Any]
+    """`Engine.state_dict()`."""
     python_rng: Any
     torch_rng: torch.Tensor
 
@@ -55,6 +58,7 @@ def write_run_state(
     config: dict[str, Any],
     trainer_state: dict[str, Any],
     loader_state: dict[str, Any],
+    engine_state: dict[str, Any],
 ) -> None:
     """Write the resume files into a checkpoint folder (called on the folder before it is renamed into place)."""
     folder = folder / RESUME_DIR
@@ -70,6 +74,7 @@ def write_run_state(
         "saved_at": time.time(),
         "trainer": trainer_state["meta"],
         "loader": loader_state,
+        "engine": engine_state,
         "python_rng": random.getstate(),
     }
     (folder / RUN_STATE).write_text(json.dumps(state))
@@ -91,6 +96,7 @@ def read_run_state(checkpoint: Path) -> RunState:
         config=meta.get("config", {}),
         trainer={"tensors": tensors, "meta": meta["trainer"]},
         loader=meta["loader"],
+        engine=meta["engine"],
         python_rng=(version, tuple(internal), gauss),
         torch_rng=torch_rng,
     )

@@ -378,6 +378,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
+    def state_dict(self) -> dict[str, int]:
+        """What a resumed run needs to draw as the interrupted one would: the counter unseeded requests'
+        seeds come from (a judge reward sampling through the engine, say)."""
+        return {"seed_counter": self._seed_counter}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._seed_counter = int(state["seed_counter"])
+
     def take_result(self, rid: int) -> Sample | None:
         return self._results.pop(rid, None)
 

@@ -411,3 +411,20 @@ def test_context_length_takes_yarn_s_factor_and_rollout_max_context_caps_it() ->
     assert refused.status == SampleStatus.ABORTED and "rollout.max_context" in refused.metadata["error"]
     with pytest.raises(ValueError, match="rollout.max_context must be in"):
         Engine(model, None, config(max_context=65))
+
+
+def test_engine_state_carries_the_seeds_of_unseeded_requests() -> None:
+    """Unseeded requests draw their seeds from a counter; a resumed run restores it, so they draw again as
+    the interrupted run would have."""
+    model = tiny_model(False, seed=1)
+    unseeded = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+    first = Engine(model, None, config())
+    first.generate(PROMPTS, unseeded)
+    state = first.state_dict()
+    expected = first.generate(PROMPTS, unseeded)
+    resumed = Engine(model, None, config())
+    resumed.load_state_dict(state)
+    assert [s.response_ids for s in resumed.generate(PROMPTS, unseeded)] == [s.response_ids for s in expected]
+    assert [s.response_ids for s in Engine(model, None, config()).generate(PROMPTS, unseeded)] != [
+        s.response_ids for s in expected
+    ]
