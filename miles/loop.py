@@ -6,6 +6,7 @@ step = rollout (engine) -> rewards -> advantages -> train (with mismatch metrics
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -111,10 +112,16 @@ def prepare_inputs(cfg: MilesConfig) -> RunInputs:
 
 
 def resume_run(
-    cfg: MilesConfig, run_dir: Path, model: Any, engine: Any, trainer: Any, loader: PromptLoader
+    cfg: MilesConfig,
+    run_dir: Path,
+    model: Any,
+    engine: Any,
+    trainer: Any,
+    loader: PromptLoader,
+    tracker: Tracker,
 ) -> int:
-    """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run;
-    returns the step it finished."""
+    """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run, and
+    the interrupted run's metrics up to it into this run's; returns the step it finished."""
     from miles.models.checkpoint import iter_hf_tensors, load_state_into
 
     folder = find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)
@@ -137,6 +144,10 @@ def resume_run(
         trainer.total_optimizer_steps = None
     loader.load_state_dict(state.loader)
     engine.load_state_dict(state.engine)
+    metrics = folder.parent.parent / "metrics.jsonl"  # checkpoints/step_N/ -> the run folder
+    if metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        tracker.carry_over([r for r in records if r.get("step", state.step + 1) <= state.step])
     restore_rng(state)
     log.info("resumed from %s (step %d)", folder, state.step)
     return state.step
@@ -193,7 +204,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
     first_step = 1
     if cfg.trainer.resume_from:
-        first_step = resume_run(cfg, run_dir, model, engine, trainer, loader) + 1
+        first_step = resume_run(cfg, run_dir, model, engine, trainer, loader, tracker) + 1
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="

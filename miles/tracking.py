@@ -104,6 +104,13 @@ class Tracker:
         if self.cfg.plot_every and (step % self.cfg.plot_every == 0 or step == self.total_steps):
             self.plot()
 
+    def carry_over(self, records: list[dict[str, Any]]) -> None:
+        """A resumed run's earlier steps (the interrupted run's records): into this run's metrics.jsonl and
+        plot, not W&B (which has them in the earlier run)."""
+        for record in records:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.history.append(record)
+
     def log_samples(self, step: int, samples: list[Sample]) -> None:
         for sample in samples[: self.cfg.samples_per_step]:
             row = {
