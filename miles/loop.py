@@ -143,7 +143,8 @@ def resume_run(
         log.info("trainer.max_steps %d -> %d: the LR schedule is re-sized", state.max_steps, max_steps)
         trainer.total_optimizer_steps = None
     loader.load_state_dict(state.loader)
-    engine.load_state_dict(state.engine)
+    if state.engine:
+        engine.load_state_dict(state.engine)
     metrics = folder.parent.parent / "metrics.jsonl"  # checkpoints/step_N/ -> the run folder
     if metrics.is_file():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -251,7 +252,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens))
             # An aborted request (engine error, failed generate plugin) has no response: it costs its sample,
             # never the step, and stays out of its group's advantages (its reward 0 would lift the others').
-            trainable = [s for s in samples if s.response_ids]
+            trainable = [s for s in samples if s.response_ids and s.status != SampleStatus.ABORTED]
             metrics.update(compute_advantages(trainable, cfg.algorithm))
 
             t = time.perf_counter()

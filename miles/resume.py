@@ -96,7 +96,7 @@ def read_run_state(checkpoint: Path) -> RunState:
         config=meta.get("config", {}),
         trainer={"tensors": tensors, "meta": meta["trainer"]},
         loader=meta["loader"],
-        engine=meta["engine"],
+        engine=meta.get("engine", {}),  # (checkpoints written before the engine's state was kept)
         python_rng=(version, tuple(internal), gauss),
         torch_rng=torch_rng,
     )

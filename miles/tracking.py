@@ -16,7 +16,9 @@ from miles.config import LoggingConfig
 from miles.sample import Sample
 
 log = logging.getLogger("miles.tracking")
-_SECRET_HINTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+_SECRET_ENDINGS = ("api_key", "apikey", "token", "secret", "password", "passwd", "credentials")
+"""Config keys whose values are masked: names ending so (`wandb_api_key`, `hf_token`), not names that
+merely contain the word (`max_new_tokens`, `prompt_key`)."""
 
 
 def _clean(value: Any) -> Any:
@@ -172,7 +174,7 @@ def redact(config: dict[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         if isinstance(value, dict):
             out[key] = redact(value)
-        elif any(h in key.upper() for h in _SECRET_HINTS) and value:
+        elif key.lower().endswith(_SECRET_ENDINGS) and value:
             out[key] = "***"
         else:
             out[key] = value

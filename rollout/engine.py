@@ -284,7 +284,7 @@ class Engine:
         for position, prompt in enumerate(prompts):
             source = prompt if isinstance(prompt, Sample) else None
             ids = self._prompt_ids(prompt)  # a new list, shared by the prompt's samples (never modified)
-            error = self._validate_prompt(ids)
+            error = self.validate_prompt(ids)
             group_id = source.group_id if source is not None else position
             text = prompt if isinstance(prompt, str) else None
             for index in range(params.n):
@@ -311,7 +311,7 @@ class Engine:
         self._check_request(params)
         prompt = [int(t) for t in prompt_ids]
         return self._enqueue(
-            prompt, self._validate_prompt(prompt), params, group_id, index, source, prompt_text
+            prompt, self.validate_prompt(prompt), params, group_id, index, source, prompt_text
         )
 
     def _check_request(self, params: SamplingParams) -> None:
@@ -335,7 +335,7 @@ class Engine:
         prompt_text: str | None,
     ) -> int:
         """Add a request for `prompt` (its own list of ints, or one its group's samples share: no request
-        modifies its prompt), finished at once with `error` (`_validate_prompt`'s) if there is one."""
+        modifies its prompt), finished at once with `error` (`validate_prompt`'s) if there is one."""
         rid = self._next_rid
         self._next_rid += 1
         if params.seed is not None:
@@ -622,7 +622,7 @@ class Engine:
             return [int(t) for t in self.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
         return [int(t) for t in prompt]
 
-    def _validate_prompt(self, ids: list[int]) -> str | None:
+    def validate_prompt(self, ids: list[int]) -> str | None:
         if not ids:
             return "empty prompt: a request needs at least one prompt token"
         vocab = self.args.vocab_size

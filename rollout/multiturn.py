@@ -124,9 +124,10 @@ class EngineClient:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
         """One model turn after `prompt_ids`: a Sample whose response is the new tokens (status aborted with
         `metadata["error"]` if the engine refused the prompt, e.g. longer than the model's context)."""
+        ids = [int(t) for t in prompt_ids]  # a malformed list fails here, in the plugin: its sample only
         turn, self._turns = self._turns, self._turns + 1
         seed = params.seed if params.seed is None or turn == 0 else derive_seed(params.seed, turn)
-        return await self._rollout._submit(self, prompt_ids, params.with_(n=1, seed=seed), self._sample)
+        return await self._rollout._submit(self, ids, params.with_(n=1, seed=seed), self._sample)
 
 
 class MultiTurnRollout:
@@ -143,6 +144,8 @@ class MultiTurnRollout:
         self.errors = 0
         """Samples lost to a failing or timed-out plugin since the last `metrics()`."""
         self._pending: dict[int, asyncio.Future[Sample]] = {}
+        self._discard: set[int] = set()
+        """Requests of a failed batch, aborted: their results are dropped as they come out."""
         self._loop = asyncio.new_event_loop()
 
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
@@ -171,7 +174,17 @@ class MultiTurnRollout:
             for prompt in prompts
             for index in range(params.n)
         ]
-        await self._drive(calls)
+        try:
+            await self._drive(calls)
+        except BaseException:  # the engine failed: leave nothing of this batch behind for the next one
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            for rid in self._pending:
+                self.engine.abort(rid)
+            self._discard.update(self._pending)
+            self._pending.clear()
+            raise
         # Every call's exception is retrieved (else asyncio reports them at exit).
         failures = [err for err in (call.exception() for call in calls) if err is not None]
         if failures:  # a refused turn (EngineRefused): the batch's configuration is wrong
@@ -210,6 +223,7 @@ class MultiTurnRollout:
                 await asyncio.sleep(0.001)  # the plugins are between turns (a tool, I/O)
                 continue
             self.engine.step()
+            self._discard = {rid for rid in self._discard if self.engine.take_result(rid) is None}
             resolved = False
             for rid in list(self._pending):
                 result = self.engine.take_result(rid)

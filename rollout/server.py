@@ -68,8 +68,38 @@ class _Job:
     events: queue.Queue[tuple[int, int, str, str | None] | None] | None = None
     """Streaming: (prompt position, sample index, new text, finish reason or None) as tokens come, then None
     once every sample finished (or the job failed: `error`)."""
-    sent: dict[tuple[int, int], str] = field(default_factory=dict)
-    """Streaming: the text each sample has sent (the engine thread's)."""
+    decoders: dict[tuple[int, int], _Detokenizer] = field(default_factory=dict)
+    """Streaming: each sample's incremental detokenizer (the engine thread's)."""
+
+
+@dataclass
+class _Detokenizer:
+    """A streamed sample's text, decoded a few tokens at a time (as vLLM does): each step decodes the tokens
+    since `prefix`, so the cost per step stays small however long the output, and a character split over
+    tokens waits until it is whole. `sent` is what went to the client."""
+
+    prefix: int = 0
+    read: int = 0
+    text: str = ""
+    sent: str = ""
+
+    def update(self, tokenizer: Any, ids: list[int]) -> None:
+        if len(ids) <= self.read:
+            return
+        before = tokenizer.decode(ids[self.prefix : self.read], skip_special_tokens=True)
+        after = tokenizer.decode(ids[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(ids)
+
+    def flush(self, tokenizer: Any, ids: list[int]) -> None:
+        """The end: whatever the last tokens decode to, a partial character included."""
+        self.update(tokenizer, ids)
+        if len(ids) > self.read:
+            before = tokenizer.decode(ids[self.prefix : self.read], skip_special_tokens=True)
+            after = tokenizer.decode(ids[self.prefix :], skip_special_tokens=True)
+            self.text += after[len(before) :] if after.startswith(before) else after
+            self.prefix = self.read = len(ids)
 
 
 @dataclass
@@ -226,22 +256,29 @@ class EngineServer:
                         job.events.put(None)
 
     def _stream_partial(self, job: _Job, position: int, index: int, ids: list[int] | None) -> None:
-        """New text of a running sample, less what a stop string may still take back (its length less one
-        character) and a character whose bytes are not all decoded yet."""
+        """New text of a running sample, less the characters a stop string may still take back (its length
+        less one)."""
         if not ids:
             return
-        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        decoder = job.decoders.setdefault((position, index), _Detokenizer())
+        decoder.update(self.engine.tokenizer, ids)
         hold = max((len(stop) for stop in job.params.stop), default=1) - 1
-        safe = text[: len(text) - hold] if hold else text
-        safe = safe.rstrip("\ufffd")
-        sent = job.sent.get((position, index), "")
-        if len(safe) > len(sent) and safe.startswith(sent):
-            job.sent[position, index] = safe
-            job.events.put((position, index, safe[len(sent) :], None))  # type: ignore[union-attr]
+        safe = decoder.text[: max(0, len(decoder.text) - hold)]
+        if len(safe) > len(decoder.sent):
+            job.events.put((position, index, safe[len(decoder.sent) :], None))  # type: ignore[union-attr]
+            decoder.sent = safe
 
     def _stream_final(self, job: _Job, position: int, index: int, sample: Sample) -> None:
-        sent, final = job.sent.get((position, index), ""), sample.response_text
-        tail = final[len(sent) :] if final.startswith(sent) else ""
+        if sample.status == SampleStatus.ABORTED and sample.metadata.get("error"):
+            job.error = RequestError(HTTPStatus.BAD_REQUEST, sample.metadata["error"])
+            return
+        decoder = job.decoders.setdefault((position, index), _Detokenizer())
+        decoder.flush(self.engine.tokenizer, sample.response_ids)
+        text = decoder.text
+        cuts = [i for i in (text.find(stop) for stop in job.params.stop) if i >= 0]
+        if cuts and sample.status == SampleStatus.COMPLETED:  # the engine stopped on a stop string
+            text = text[: min(cuts)]
+        tail = text[len(decoder.sent) :] if text.startswith(decoder.sent) else ""
         job.events.put((position, index, tail, _FINISH.get(sample.status, "abort")))  # type: ignore[union-attr]
 
     def _admit(self, job: _Job, pending: dict[int, tuple[_Job, int, int]], waiting: dict[int, int]) -> None:
@@ -407,12 +444,11 @@ class EngineServer:
         if body.get("logprobs") not in (None, False, 0) or body.get("return_token_ids"):
             raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs and return_token_ids need stream=false")
         params = _sampling_params(body, default_max_tokens, self.engine.max_context, prompts)
-        for ids in prompts:  # refused before any event, as a non-streamed request would be
-            if len(ids) + 1 > self.engine.max_context:
-                raise RequestError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"prompt has {len(ids)} tokens; the context is {self.engine.max_context}",
-                )
+        # Refused before any event, as a non-streamed request would be (the engine's own checks).
+        problems = self.on_engine(lambda: [self.engine.validate_prompt(ids) for ids in prompts])
+        for problem in problems:
+            if problem is not None:
+                raise RequestError(HTTPStatus.BAD_REQUEST, problem)
         job = _Job(prompts, params, events=queue.Queue())
         self._jobs.put(job)
         options = body.get("stream_options") or {}
@@ -538,19 +574,25 @@ def _sampling_params(
     stop = body.get("stop") or []
     try:
         return SamplingParams(
-            n=int(body.get("n", 1)),
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=int(body.get("top_k", -1)),
-            min_p=float(body.get("min_p", 0.0)),
+            n=int(_given(body, "n", 1)),
+            temperature=float(_given(body, "temperature", 1.0)),
+            top_p=float(_given(body, "top_p", 1.0)),
+            top_k=int(_given(body, "top_k", -1)),
+            min_p=float(_given(body, "min_p", 0.0)),
             max_new_tokens=int(max_tokens),
             stop=[stop] if isinstance(stop, str) else list(stop),
             stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
             seed=None if body.get("seed") is None else int(body["seed"]),
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            ignore_eos=bool(_given(body, "ignore_eos", False)),
         )
     except (TypeError, ValueError) as err:
         raise RequestError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {err}") from err
+
+
+def _given(body: dict[str, Any], key: str, default: Any) -> Any:
+    """`body[key]`, or `default` where it is absent or null (OpenAI's fields are nullable)."""
+    value = body.get(key)
+    return default if value is None else value
 
 
 def _messages(messages: Any) -> list[Any]:
@@ -590,6 +632,8 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.headers.get("Content-Length") or self.headers.get("Transfer-Encoding"):
+                self._discard_body()  # else a body would be read as the next request on this connection
             if self.path == "/health":
                 if server.engine_alive:
                     self._send(HTTPStatus.OK, {"status": "ok"})
@@ -683,19 +727,19 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             """Server-sent events, then `data: [DONE]`; the connection closes at the end (no length)."""
             first = next(events)  # a RequestError before any event still becomes a plain error response
             self.close_connection = True
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
             try:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
                 for event in itertools.chain([first], events):
                     self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                     self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client left: closing the iterator cancels its generation
+            except OSError:
+                pass  # the client left (or its connection broke): closing the iterator cancels its generation
             finally:
                 events.close()  # type: ignore[attr-defined]
 

@@ -242,3 +242,35 @@ def test_a_misconfigured_turn_fails_the_batch_and_a_cancelled_one_its_sample() -
     assert rollout.metrics()["rollout/generate_errors"] == len(PROMPTS)
     assert not engine.has_unfinished and not engine._results
     assert_pool_clean(engine)
+
+
+def test_a_plugin_s_malformed_ids_cost_its_sample_and_a_failed_batch_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine(tiny_model(False, seed=1), None, config())
+
+    async def bad_ids(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        ids = [*sample.prompt_ids, None] if sample.group_id == 1 else sample.prompt_ids
+        return await client.generate(ids, params.with_(max_new_tokens=3))  # type: ignore[arg-type]
+
+    rollout = MultiTurnRollout(engine, bad_ids)
+    samples = rollout.generate(PROMPTS, PARAMS)
+    assert [s.status == SampleStatus.ABORTED for s in samples] == [False, False, True, True, False, False]
+    step = Engine.step
+    calls = {"n": 0}
+
+    def failing_step(self: Engine) -> list[Sample]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        rollout.generate(PROMPTS, PARAMS)
+    monkeypatch.setattr(Engine, "step", step)
+    assert not rollout._pending
+    again = rollout.generate(PROMPTS, PARAMS)  # the next batch runs clean, none of the failed one's plugins
+    assert [s.status == SampleStatus.ABORTED for s in again] == [False, False, True, True, False, False]
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]
+    assert not engine.has_unfinished and not engine._results

@@ -330,3 +330,61 @@ def test_a_client_that_hangs_up_stops_its_generation(server: EngineServer) -> No
             break
         threading.Event().wait(0.05)
     assert not server.engine.has_unfinished and server.engine.stats.aborted == aborted + 1
+
+
+def test_streaming_a_refused_prompt_is_a_400_and_nulls_take_the_defaults(server: EngineServer) -> None:
+    status, out = call(server, "/v1/completions", {"prompt": [5, 5000], "stream": True})
+    assert status == 400 and "outside the model's vocabulary" in out["error"]["message"]
+    status, out = call(
+        server,
+        "/v1/completions",
+        {
+            "prompt": "1+1=",
+            "max_tokens": 2,
+            "temperature": None,
+            "top_p": None,
+            "n": None,
+            "top_k": None,
+            "ignore_eos": None,
+        },
+    )
+    assert status == 200 and len(out["choices"]) == 1
+
+
+def test_a_get_s_body_is_not_read_as_a_request(server: EngineServer) -> None:
+    import socket
+
+    host, port = server.httpd.server_address[:2]
+    smuggled = b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
+    with socket.create_connection((host, port), timeout=10) as client:
+        client.sendall(
+            b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled
+        )
+        client.settimeout(2)
+        received = b""
+        try:
+            while chunk := client.recv(4096):
+                received += chunk
+        except TimeoutError:
+            pass
+    assert received.count(b"HTTP/1.1 ") == 1, received
+
+
+def test_the_detokenizer_streams_a_stop_string_s_multibyte_characters_not_at_all() -> None:
+    """A stop string of non-ASCII characters whose bytes span tokens: nothing of it is ever streamed, and the
+    streamed pieces join into the whole text (byte-level tokenizer: SmolLM2's, converted from its GGUF)."""
+    from miles.rollout.server import _Detokenizer
+
+    class Bytes:  # one token per UTF-8 byte, as byte-level BPE splits rare characters
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text, stop = "X答案Y", "答案"
+    ids = list(text.encode())
+    decoder, hold, pieces = _Detokenizer(), len(stop) - 1, []
+    for end in range(1, len(ids) - 1):  # the engine stops once the stop string is complete (before "Y")
+        decoder.update(Bytes(), ids[:end])
+        safe = decoder.text[: max(0, len(decoder.text) - hold)]
+        pieces.append(safe[len(decoder.sent) :])
+        decoder.sent = safe
+    assert "".join(pieces) == "X" and not any("答" in p or "\ufffd" in p for p in pieces)

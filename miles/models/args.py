@@ -88,10 +88,10 @@ class ModelArgs:
         context when that is longer (Qwen3's long-context configs keep max_position_embeddings 40960 beside
         factor 4 over 32768: 131072; vLLM derives its max_model_len the same way)."""
         scaling = self.rope_scaling or {}
-        if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor"):
-            original = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings")
+        if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor") and original:
             return max(self.max_position_embeddings, int(scaling["factor"] * original))
-        return self.max_position_embeddings
+        return self.max_position_embeddings  # (without the original context, as vLLM: not extended)
 
     @property
     def eos_token_ids(self) -> list[int]:
