@@ -80,7 +80,10 @@ def save_checkpoint(
     folder = run_dir / "checkpoints" / f"step_{step:06d}"
     saved = save_pretrained(model, folder, tokenizer=tokenizer, write_extra=write_extra)
     if keep_last > 0:
-        steps = sorted(p for p in folder.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+        steps = sorted(
+            (p for p in folder.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+            key=lambda p: int(p.name[5:]),  # by number: names past 6 digits sort wrongly as text
+        )
         for old in steps[:-keep_last]:
             if old != saved:
                 shutil.rmtree(old, ignore_errors=True)
