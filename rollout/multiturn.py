@@ -18,8 +18,11 @@ tool in `asyncio.to_thread`. A plugin that raises, returns something malformed o
 `rollout/generate_errors`), never the batch. A turn the engine refuses as misconfigured (stop strings
 without a tokenizer, released memory) fails the batch instead, as single-turn generation would.
 
-Turn t of a sample samples with seed `derive_seed(params.seed, t)` for t > 0 (turn 0 with `params.seed`
-itself, as single-turn generation would), so a rollout is reproducible and its turns draw independently.
+Seeds: the engine mixes each turn's context (its prompt ids) into its seed, so turns from different contexts
+draw independently with `params.seed` as given, and a sample's first turn draws as single-turn generation
+would. The k-th turn of a sample from a context it already generated from (branches) takes
+`derive_seed(params.seed, k)`. Either way a rollout is reproducible, also when its turns run concurrently
+(`asyncio.gather`) and finish in any order.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 
 from miles.rollout.params import SamplingParams
-from miles.rollout.sampling import derive_seed
+from miles.rollout.sampling import derive_seed, prompt_key
 from miles.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -98,7 +101,8 @@ class EngineClient:
 
     def __init__(self, rollout: MultiTurnRollout, sample: Sample) -> None:
         self._rollout, self._sample = rollout, sample
-        self._turns = 0
+        self._branches: dict[int, int] = {}
+        """Turns so far from each context (by its hash): the k-th from one context draws with seed k."""
         self.rids: list[int] = []
         """Its requests so far (the driver aborts those still running when the plugin fails)."""
 
@@ -125,8 +129,10 @@ class EngineClient:
         """One model turn after `prompt_ids`: a Sample whose response is the new tokens (status aborted with
         `metadata["error"]` if the engine refused the prompt, e.g. longer than the model's context)."""
         ids = [int(t) for t in prompt_ids]  # a malformed list fails here, in the plugin: its sample only
-        turn, self._turns = self._turns, self._turns + 1
-        seed = params.seed if params.seed is None or turn == 0 else derive_seed(params.seed, turn)
+        key = prompt_key(ids)
+        branch = self._branches.get(key, 0)
+        self._branches[key] = branch + 1
+        seed = params.seed if params.seed is None or branch == 0 else derive_seed(params.seed, branch)
         return await self._rollout._submit(self, ids, params.with_(n=1, seed=seed), self._sample)
 
 

@@ -274,3 +274,28 @@ def test_a_plugin_s_malformed_ids_cost_its_sample_and_a_failed_batch_leaves_noth
     assert [s.status == SampleStatus.ABORTED for s in again] == [False, False, True, True, False, False]
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]
     assert not engine.has_unfinished and not engine._results
+
+
+def test_concurrent_branches_are_reproducible_whatever_order_they_finish_in() -> None:
+    """Two branches from each of two contexts, launched together and awaited in either order: the same
+    samples every time, and the two branches from one context differ (they take their own seeds)."""
+    model = tiny_model(False, seed=1)
+
+    def branching(reverse: bool):  # noqa: ANN202
+        async def plugin(client: EngineClient, sample: Sample, params: SamplingParams) -> list[Sample]:
+            contexts = [sample.prompt_ids, [*sample.prompt_ids, 7]]
+            order = contexts[::-1] if reverse else contexts
+            turns = [client.generate(c, params.with_(max_new_tokens=5)) for c in order for _ in range(2)]
+            out = await asyncio.gather(*turns)
+            return sorted(out, key=lambda s: (len(s.prompt_ids), s.response_ids))
+
+        return plugin
+
+    runs = [
+        MultiTurnRollout(Engine(model, None, config()), branching(reverse)).generate(
+            PROMPTS[:2], PARAMS.with_(n=1)
+        )
+        for reverse in (False, True)
+    ]
+    assert [s.response_ids for s in runs[0]] == [s.response_ids for s in runs[1]]
+    assert runs[0][0].response_ids != runs[0][1].response_ids  # two branches from one context
