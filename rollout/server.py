@@ -26,6 +26,7 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -83,23 +84,16 @@ class _Detokenizer:
     text: str = ""
     sent: str = ""
 
-    def update(self, tokenizer: Any, ids: list[int]) -> None:
+    def update(self, tokenizer: Any, ids: list[int], final: bool = False) -> None:
+        """Decode the tokens since `read`; `final`: take what they decode to even if a character is cut."""
         if len(ids) <= self.read:
             return
         before = tokenizer.decode(ids[self.prefix : self.read], skip_special_tokens=True)
         after = tokenizer.decode(ids[self.prefix :], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
-            self.text += after[len(before) :]
+        whole = len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before)
+        if whole or final:
+            self.text += after[len(os.path.commonprefix([before, after])) :]
             self.prefix, self.read = self.read, len(ids)
-
-    def flush(self, tokenizer: Any, ids: list[int]) -> None:
-        """The end: whatever the last tokens decode to, a partial character included."""
-        self.update(tokenizer, ids)
-        if len(ids) > self.read:
-            before = tokenizer.decode(ids[self.prefix : self.read], skip_special_tokens=True)
-            after = tokenizer.decode(ids[self.prefix :], skip_special_tokens=True)
-            self.text += after[len(before) :] if after.startswith(before) else after
-            self.prefix = self.read = len(ids)
 
 
 @dataclass
@@ -273,7 +267,7 @@ class EngineServer:
             job.error = RequestError(HTTPStatus.BAD_REQUEST, sample.metadata["error"])
             return
         decoder = job.decoders.setdefault((position, index), _Detokenizer())
-        decoder.flush(self.engine.tokenizer, sample.response_ids)
+        decoder.update(self.engine.tokenizer, sample.response_ids, final=True)
         text = decoder.text
         cuts = [i for i in (text.find(stop) for stop in job.params.stop) if i >= 0]
         if cuts and sample.status == SampleStatus.COMPLETED:  # the engine stopped on a stop string
