@@ -341,10 +341,9 @@ class EngineServer:
                         "text_offset": None,
                     }
                 if body.get("return_token_ids"):
-                    choice["prompt_token_ids"] = list(sample.prompt_ids)
-                    choice["token_ids"] = list(sample.response_ids)
+                    _add_token_ids(choice, sample)
                 choices.append(choice)
-        return self._envelope("text_completion", "cmpl", choices, prompts, job)
+        return self._envelope("text_completion", "cmpl", choices, job)
 
     def chat_completions(self, body: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
         self._check_model(body)
@@ -375,10 +374,9 @@ class EngineServer:
                     ]
                 }
             if body.get("return_token_ids"):
-                choice["prompt_token_ids"] = list(sample.prompt_ids)
-                choice["token_ids"] = list(sample.response_ids)
+                _add_token_ids(choice, sample)
             choices.append(choice)
-        return self._envelope("chat.completion", "chatcmpl", choices, prompts, job)
+        return self._envelope("chat.completion", "chatcmpl", choices, job)
 
     def models(self) -> dict[str, Any]:
         return {
@@ -500,14 +498,7 @@ class EngineServer:
                 yield {"error": {"message": job.error.message, "type": job.error.kind}}
                 return
             if include_usage:
-                completion = sum(len(s.response_ids) for s in job.results.values())
-                prompt_tokens = sum(len(p) for p in job.prompts)
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion,
-                }
-                yield {**chunk([]), "usage": usage}
+                yield {**chunk([]), "usage": _usage(job)}
         finally:
             if not finished:  # the client went away (or the stream stalled): stop generating for it
                 job.cancelled = True
@@ -519,23 +510,31 @@ class EngineServer:
             return [str(t) for t in ids]
         return self.on_engine(lambda: [tokenizer.decode([t]) for t in ids])
 
-    def _envelope(
-        self, kind: str, prefix: str, choices: list[dict[str, Any]], prompts: list[list[int]], job: _Job
-    ) -> dict[str, Any]:
-        completion = sum(len(s.response_ids) for s in job.results.values())
-        prompt_tokens = sum(len(p) for p in prompts)
+    def _envelope(self, kind: str, prefix: str, choices: list[dict[str, Any]], job: _Job) -> dict[str, Any]:
         return {
             "id": f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-            },
+            "usage": _usage(job),
         }
+
+
+def _usage(job: _Job) -> dict[str, int]:
+    completion = sum(len(s.response_ids) for s in job.results.values())
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def _add_token_ids(choice: dict[str, Any], sample: Sample) -> None:
+    """`return_token_ids`: the prompt's and the choice's token ids (token-in/token-out clients)."""
+    choice["prompt_token_ids"] = list(sample.prompt_ids)
+    choice["token_ids"] = list(sample.response_ids)
 
 
 def _sampling_params(
