@@ -245,7 +245,11 @@ class RewardConfig:
 @dataclass
 class PlacementConfig:
     mode: str = "embedded"
-    """embedded (one process, one device) | ray."""
+    """embedded (each process one device, its engine and trainer sharing weights) | ray."""
+    num_processes: int = 1
+    """Data-parallel processes of the embedded placement, one device each (`cuda:<local rank>`, or CPU):
+    each generates its share of the batch's groups and the gradients are summed across them. `miles train`
+    starts them itself; under torchrun leave it at 1 (the launcher's WORLD_SIZE decides)."""
     num_gpus: int = 1
     """GPUs used by the ray placement."""
     colocate: bool = True

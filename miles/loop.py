@@ -1,7 +1,11 @@
-"""The RL loop on the embedded placement: one process, one device, the engine and trainer sharing weights.
+"""The RL loop on the embedded placement: in each process one device, the engine and trainer sharing weights.
 
 step = rollout (engine) -> rewards -> advantages -> train (with mismatch metrics) -> weight sync (+checksum)
 -> eval / checkpoint -> metrics.
+
+With several processes (`placement.num_processes`, or torchrun; miles/distributed.py) each rank generates
+and scores its share of the batch's groups, the advantages and batch metrics are computed over every rank's
+samples, the trainer sums gradients across ranks, and rank 0 writes the run directory.
 """
 
 from __future__ import annotations
@@ -22,10 +26,18 @@ import torch
 from miles import plugins
 from miles.config import MilesConfig
 from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
+from miles.distributed import SINGLE, DataParallel, gather_samples, reduce_metrics
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
 from miles.model_io import load_model
-from miles.resume import config_changes, find_checkpoint, read_run_state, restore_rng, write_run_state
+from miles.resume import (
+    RunState,
+    config_changes,
+    find_checkpoint,
+    read_run_state,
+    restore_rng,
+    write_run_state,
+)
 from miles.sample import Sample, SampleStatus
 from miles.tracking import Tracker, redact
 from miles.utilization import busy_meter
@@ -102,10 +114,11 @@ class RunInputs:
     stop_token_ids: list[int]
 
 
-def prepare_inputs(cfg: MilesConfig) -> RunInputs:
+def prepare_inputs(cfg: MilesConfig, dp: DataParallel = SINGLE) -> RunInputs:
     seed_everything(cfg.trainer.seed)
     set_cpu_threads(cfg.placement.cpu_threads)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed)
+    dp.broadcast_module(loaded.model)  # the replicas start from rank 0's weights, however they were made
     formatter = PromptFormatter(loaded.tokenizer, cfg.data, cfg.model.chat_template)
     train_rows, test_rows = load_rows(cfg.data)
     train_prompts, dropped = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
@@ -116,19 +129,19 @@ def prepare_inputs(cfg: MilesConfig) -> RunInputs:
 
 def resume_run(
     cfg: MilesConfig,
-    run_dir: Path,
+    folder: Path,
+    state: RunState,
     model: Any,
     engine: Any,
     trainer: Any,
     loader: PromptLoader,
-    tracker: Tracker,
+    tracker: Tracker | None,
+    dp: DataParallel = SINGLE,
 ) -> int:
     """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run, and
     the interrupted run's metrics up to it into this run's; returns the step it finished."""
     from miles.models.checkpoint import iter_hf_tensors, load_state_into
 
-    folder = find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)
-    state = read_run_state(folder)
     changes = config_changes(state.config, redact(asdict(cfg)))
     if changes:
         log.warning(
@@ -146,10 +159,18 @@ def resume_run(
         log.info("trainer.max_steps %d -> %d: the LR schedule is re-sized", state.max_steps, max_steps)
         trainer.total_optimizer_steps = None
     loader.load_state_dict(state.loader)
-    if state.engine:
-        engine.load_state_dict(state.engine)
+    engine_state = state.engine.get("ranks", [state.engine])  # one entry per rank of the saved run
+    if len(engine_state) != dp.world_size:
+        log.warning(
+            "the checkpoint holds the engine state of %d process(es) and this run has %d: unseeded requests "
+            "will not draw as they would have",
+            len(engine_state),
+            dp.world_size,
+        )
+    if dp.rank < len(engine_state) and engine_state[dp.rank]:
+        engine.load_state_dict(engine_state[dp.rank])
     metrics = folder.parent.parent / "metrics.jsonl"  # checkpoints/step_N/ -> the run folder
-    if metrics.is_file():
+    if tracker is not None and metrics.is_file():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         tracker.carry_over([r for r in records if r.get("step", state.step + 1) <= state.step])
     restore_rng(state)
@@ -157,7 +178,7 @@ def resume_run(
     return state.step
 
 
-def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
+def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[str, float]:
     from miles.rewards import RewardRunner
     from miles.rollout import Engine, SamplingParams
     from miles.rollout.multiturn import MultiTurnRollout
@@ -165,7 +186,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     from miles.trainer.algorithms import compute_advantages
     from miles.weight_sync import InProcessWeightSync
 
-    inputs = prepare_inputs(cfg)
+    inputs = prepare_inputs(cfg, dp)
     model, tokenizer, eos = inputs.model, inputs.tokenizer, inputs.stop_token_ids
     train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
     loader = PromptLoader(train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
@@ -174,6 +195,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     if cfg.algorithm.kl_coef > 0:
         ref_model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed).model
         ref_model.requires_grad_(False)
+        dp.broadcast_module(ref_model)
     engine = Engine(model, tokenizer, cfg.rollout)
     generate, multiturn = engine.generate, None
     if cfg.rollout.generate_fn:
@@ -187,7 +209,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
         generate = multiturn.generate
     trainer = TorchTrainer(
-        model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model
+        model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
     )
     sync = InProcessWeightSync(model, engine)
     rewards = RewardRunner(cfg.reward, engine=engine)
@@ -203,12 +225,26 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
         return_routing=cfg.rollout.record_routing,
     )
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, cfg.trainer.max_steps, tokenizer)
+    resume_from = None
+    if cfg.trainer.resume_from:
+        folder = find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)
+        resume_from = (folder, read_run_state(folder))
+    tracker = None
+    if dp.is_main:
+        tracker = Tracker(
+            run_dir,
+            cfg.logging,
+            redact(asdict(cfg)),
+            cfg.recipe,
+            cfg.trainer.max_steps,
+            tokenizer,
+            wandb_run_id=resume_from[1].wandb_run_id if resume_from else None,
+        )
     last: dict[str, float] = {}
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
     first_step = 1
-    if cfg.trainer.resume_from:
-        first_step = resume_run(cfg, run_dir, model, engine, trainer, loader, tracker) + 1
+    if resume_from is not None:
+        first_step = resume_run(cfg, *resume_from, model, engine, trainer, loader, tracker, dp) + 1
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -219,23 +255,36 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             raise RuntimeError(f"weight sync checksum mismatch after resuming: {result.mismatched[:5]}")
 
     def write_resume_state(step: int) -> Callable[[Path], None]:
+        engine_state = engine.state_dict()
+        if dp.enabled:  # every rank's (a collective: all ranks are here), written by rank 0
+            engine_state = {"ranks": dp.all_gather_objects(engine_state)}
+        wandb_run_id = None if tracker is None else tracker.wandb_run_id
         return lambda folder: write_run_state(
-            folder, step, redact(asdict(cfg)), trainer.state_dict(), loader.state_dict(), engine.state_dict()
+            folder,
+            step,
+            redact(asdict(cfg)),
+            trainer.state_dict(),
+            loader.state_dict(),
+            engine_state,
+            wandb_run_id,
         )
 
     def run_eval() -> dict[str, float]:
-        metrics, _ = evaluate(generate, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop))
+        prompts = dp.shard(test_prompts)
+        metrics, _ = evaluate(generate, rewards, prompts, eval_tokens, eos, list(cfg.rollout.stop))
         # The next step starts as it would after a resume: from an empty radix cache (the eval's prompts
         # would change its bf16 prefill rounding on a GPU), and with counters that are its own.
         engine.flush_cache()
         engine.metrics()
         if multiturn is not None:
             metrics["eval/generate_errors"] = multiturn.metrics()["rollout/generate_errors"]
-        return metrics
+        return reduce_metrics(dp, metrics, len(prompts))
 
     try:
         if cfg.trainer.eval_every and test_prompts and first_step == 1:
-            tracker.log_step(0, {**run_eval(), "data/dropped_prompts": float(dropped)})
+            eval_metrics = run_eval()
+            if tracker is not None:
+                tracker.log_step(0, {**eval_metrics, "data/dropped_prompts": float(dropped)})
         for step in range(first_step, cfg.trainer.max_steps + 1):
             step_start = time.perf_counter()
             if busy is not None:
@@ -243,34 +292,46 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             params.seed = cfg.rollout.seed * 1_000_003 + step
             t = time.perf_counter()
             batch = [replace(p, group_id=i) for i, p in enumerate(loader.next_batch())]
-            samples = generate(batch, params)
-            metrics: dict[str, float] = {"time/rollout": time.perf_counter() - t}
-            metrics.update(engine.metrics())
+            samples = generate(dp.shard(batch), params)  # this rank's groups, whole
+            # Measured on this rank's share of the step; combined over the ranks at the end of the step.
+            own: dict[str, float] = {"time/rollout": time.perf_counter() - t}
+            own.update(engine.metrics())
             if multiturn is not None:
-                metrics.update(multiturn.metrics())
+                own.update(multiturn.metrics())
 
             t = time.perf_counter()
-            metrics.update(rewards.score(samples))
-            metrics["time/reward"] = time.perf_counter() - t
-            metrics.update(rollout_metrics(samples, cfg.rollout.max_new_tokens))
+            own.update(rewards.score(samples))
+            own["time/reward"] = time.perf_counter() - t
+            # Batch-wide: over every rank's samples.
+            everyone, offset = gather_samples(dp, samples)
+            metrics: dict[str, float] = rollout_metrics(everyone, cfg.rollout.max_new_tokens)
             # An aborted request (engine error, failed generate plugin) has no response: it costs its sample,
             # never the step, and stays out of its group's advantages (its reward 0 would lift the others').
+            usable = [
+                i for i, s in enumerate(everyone) if s.response_ids and s.status != SampleStatus.ABORTED
+            ]
+            metrics.update(compute_advantages([everyone[i] for i in usable], cfg.algorithm))
+            for i, sample in enumerate(samples):
+                sample.advantage = everyone[offset + i].advantage
             trainable = [s for s in samples if s.response_ids and s.status != SampleStatus.ABORTED]
-            metrics.update(compute_advantages(trainable, cfg.algorithm))
 
             t = time.perf_counter()
-            metrics["train/dropped_samples"] = float(len(samples) - len(trainable))
-            if trainable:
-                metrics.update(trainer.train_step(trainable))
+            metrics["train/dropped_samples"] = float(len(everyone) - len(usable))
+            if usable:
+                metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
             else:
                 log.warning("step %d: no sample has a response; skipping the update", step)
-            metrics["time/train"] = time.perf_counter() - t
+            own["time/train"] = time.perf_counter() - t
 
             result = sync.sync(version=step)
             metrics.update(result.metrics())
-            metrics["time/sync"] = result.seconds
-            if not result.checksum_ok:
+            own["time/sync"] = result.seconds
+            if dp.enabled:
+                metrics.update(_replica_metrics(dp, result))
+            if not metrics["sync/checksum_ok"]:
                 log.error("weight sync checksum mismatch after step %d: %s", step, result.mismatched[:5])
+            if not metrics.get("sync/replicas_equal", 1.0):
+                log.error("after step %d the ranks' weights differ", step)
 
             is_last = step == cfg.trainer.max_steps
             if cfg.trainer.eval_every and test_prompts and (step % cfg.trainer.eval_every == 0 or is_last):
@@ -278,20 +339,31 @@ def run_rl(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
                 is_last and cfg.trainer.save_final
             ):
-                save_checkpoint(
-                    model, tokenizer, run_dir, step, write_resume_state(step), cfg.trainer.keep_last
-                )
+                write_extra = write_resume_state(step)
+                if dp.is_main:
+                    save_checkpoint(model, tokenizer, run_dir, step, write_extra, cfg.trainer.keep_last)
             if busy is not None and (fraction := busy[1].stop()) is not None:
-                metrics[busy[0]] = fraction
-            metrics["time/step"] = time.perf_counter() - step_start
-            tracker.log_samples(step, samples)
-            tracker.log_step(step, metrics)
+                own[busy[0]] = fraction
+            own["time/step"] = time.perf_counter() - step_start
+            metrics.update(reduce_metrics(dp, own, len(samples)))
+            if tracker is not None:
+                tracker.log_samples(step, everyone)
+                tracker.log_step(step, metrics)
             last = metrics
     finally:
         if busy is not None:
             busy[1].stop()
         if multiturn is not None:
             multiturn.close()
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
         rewards.close()
     return last
+
+
+def _replica_metrics(dp: DataParallel, result: Any) -> dict[str, float]:
+    """`sync/checksum_ok` of every rank, and whether every rank's weights equal rank 0's, bit for bit."""
+    ok = dp.all_reduce_floats([float(result.checksum_ok)], "min")[0]
+    prints = dp.all_gather_objects(result.fingerprints)
+    equal = all(p == prints[0] for p in prints[1:])
+    return {"sync/checksum_ok": ok, "sync/replicas_equal": float(equal)}

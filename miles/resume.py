@@ -50,6 +50,8 @@ class RunState:
     """`Engine.state_dict()`."""
     python_rng: Any
     torch_rng: torch.Tensor
+    wandb_run_id: str | None = None
+    """The W&B run the interrupted run logged to: the resumed run goes on logging to it."""
 
 
 def write_run_state(
@@ -59,6 +61,7 @@ def write_run_state(
     trainer_state: dict[str, Any],
     loader_state: dict[str, Any],
     engine_state: dict[str, Any],
+    wandb_run_id: str | None = None,
 ) -> None:
     """Write the resume files into a checkpoint folder (called on the folder before it is renamed into place)."""
     folder = folder / RESUME_DIR
@@ -76,6 +79,7 @@ def write_run_state(
         "loader": loader_state,
         "engine": engine_state,
         "python_rng": random.getstate(),
+        "wandb_run_id": wandb_run_id,
     }
     (folder / RUN_STATE).write_text(json.dumps(state))
 
@@ -99,6 +103,7 @@ def read_run_state(checkpoint: Path) -> RunState:
         engine=meta.get("engine", {}),  # (checkpoints written before the engine's state was kept)
         python_rng=(version, tuple(internal), gauss),
         torch_rng=torch_rng,
+        wandb_run_id=meta.get("wandb_run_id"),
     )
 
 

@@ -32,18 +32,65 @@ def check_supported(config: MilesConfig) -> None:
         )
     if config.placement.mode != "embedded":
         raise MilesUserError(
-            f"placement.mode={config.placement.mode} is not available yet; use placement.mode=embedded"
+            f"placement.mode={config.placement.mode} is not available yet; use placement.mode=embedded "
+            "(with placement.num_processes=N for N data-parallel processes)"
+        )
+    if config.placement.num_processes < 1:
+        raise MilesUserError(
+            f"placement.num_processes must be at least 1, got {config.placement.num_processes}"
         )
 
 
 def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) -> dict[str, float]:
+    from miles import distributed
+
     check_supported(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(config)))
-    if config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft":
-        from miles.sft import run_sft
+    resolved_yaml = resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(config))
+    if distributed.needs_launch(config.placement.num_processes):
+        distributed.check_devices(config.placement.num_processes, config.model.device)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(resolved_yaml)
+        code = distributed.launch(run_dir, config.placement.num_processes)
+        if code != 0:
+            raise MilesUserError(
+                f"a process of the run exited with code {code}; its error is printed above (run folder {run_dir})"
+            )
+        return _last_metrics(run_dir)
+    dp = distributed.init_data_parallel(config.placement.num_processes, config.model.device)
+    try:
+        if dp.enabled:
+            # Under torchrun each rank's Hydra picked its own timestamped folder; the run's is rank 0's.
+            own, run_dir = run_dir, Path(dp.broadcast_object(str(run_dir)))
+            if own.resolve() != run_dir.resolve():
+                _remove_if_only_hydra(own)
+            if dp.on_cuda:  # one GPU per rank, whichever one the config named
+                config.model.device = f"cuda:{dp.local_rank}"
+        if dp.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(resolved_yaml)
+        if config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft":
+            from miles.sft import run_sft
 
-        return run_sft(config, run_dir)
-    from miles.loop import run_rl
+            return run_sft(config, run_dir, dp)
+        from miles.loop import run_rl
 
-    return run_rl(config, run_dir)
+        return run_rl(config, run_dir, dp)
+    finally:
+        distributed.shutdown(dp)
+
+
+def _remove_if_only_hydra(folder: Path) -> None:
+    """A folder holding nothing but what Hydra writes at start (`.hydra/`, its log): another rank's."""
+    import shutil
+
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {".hydra", "run.log"}:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _last_metrics(run_dir: Path) -> dict[str, float]:
+    """The last step's record of a run the launched processes wrote."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return json.loads(lines[-1]) if lines else {}

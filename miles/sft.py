@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from miles.config import MilesConfig
+from miles.distributed import SINGLE, DataParallel, reduce_metrics
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
 from miles.loop import prepare_inputs, save_checkpoint
@@ -43,7 +44,9 @@ def sft_samples(prompts: list[Sample], tokenizer: object, eos_id: int) -> list[S
     return out
 
 
-def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
+def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[str, float]:
+    """Supervised steps on the dataset's reference answers; with `dp` each rank trains on its share of every
+    batch (gradients summed across ranks) and rank 0 writes the run folder."""
     from miles.rewards import RewardRunner
     from miles.rollout import Engine
     from miles.trainer import TorchTrainer
@@ -53,7 +56,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
             "trainer.resume_from resumes RL runs; an SFT run starts from a checkpoint's weights with "
             "model.path=<checkpoints/step_N>"
         )
-    inputs = prepare_inputs(cfg)
+    inputs = prepare_inputs(cfg, dp)
     model, tokenizer, eos, test_prompts = (
         inputs.model,
         inputs.tokenizer,
@@ -66,8 +69,10 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
     steps = math.ceil(len(data) * cfg.trainer.sft_epochs / batch)
     if cfg.trainer.max_steps > 0:
         steps = min(steps, cfg.trainer.max_steps)
-    trainer = TorchTrainer(model, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps)
-    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, steps)
+    trainer = TorchTrainer(
+        model, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps, dp=dp
+    )
+    tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, steps) if dp.is_main else None
     rng = random.Random(cfg.data.seed)
     order: list[int] = []
     last: dict[str, float] = {}
@@ -80,7 +85,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
                 rng.shuffle(fresh)
                 order += fresh
             chunk, order = [data[i] for i in order[:batch]], order[batch:]
-            metrics = trainer.sft_step(chunk)
+            metrics = trainer.sft_step(dp.shard(chunk))
             metrics["time/train"] = metrics["time/step"] = time.perf_counter() - start
             is_last = step == steps
             if test_prompts and ((cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or is_last):
@@ -88,18 +93,23 @@ def run_sft(cfg: MilesConfig, run_dir: Path) -> dict[str, float]:
                     engine, rewards = Engine(model, tokenizer, cfg.rollout), RewardRunner(cfg.reward)
                 engine.update_weights([], step)
                 eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+                prompts = dp.shard(test_prompts)
                 eval_metrics, _ = evaluate(
-                    engine.generate, rewards, test_prompts, eval_tokens, eos, list(cfg.rollout.stop)
+                    engine.generate, rewards, prompts, eval_tokens, eos, list(cfg.rollout.stop)
                 )
-                metrics.update(eval_metrics)
-            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
-                is_last and cfg.trainer.save_final
+                metrics.update(reduce_metrics(dp, eval_metrics, len(prompts)))
+            if (
+                (cfg.trainer.save_every and step % cfg.trainer.save_every == 0)
+                or (is_last and cfg.trainer.save_final)
+                and dp.is_main
             ):
                 save_checkpoint(model, tokenizer, run_dir, step, keep_last=cfg.trainer.keep_last)
-            tracker.log_step(step, metrics)
+            if tracker is not None:
+                tracker.log_step(step, metrics)
             last = metrics
     finally:
-        tracker.close()
+        if tracker is not None:
+            tracker.close()
         if rewards is not None:
             rewards.close()
     return last

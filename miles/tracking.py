@@ -38,14 +38,16 @@ class Tracker:
         recipe: str,
         total_steps: int,
         tokenizer: Any = None,
+        wandb_run_id: str | None = None,
     ):
+        """`wandb_run_id`: go on logging to that W&B run (a resumed run's), instead of starting one."""
         self.run_dir, self.cfg, self.total_steps, self.tokenizer = run_dir, cfg, total_steps, tokenizer
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.samples_file = open(run_dir / "samples.jsonl", "a", buffering=1)
         self.history: list[dict[str, Any]] = []
-        self.wandb_run = self._init_wandb(config_dict, recipe) if cfg.wandb else None
+        self.wandb_run = self._init_wandb(config_dict, recipe, wandb_run_id) if cfg.wandb else None
         self.progress = None
         self._task = None
         if cfg.progress:
@@ -62,7 +64,11 @@ class Tracker:
             self.progress.start()
             self._task = self.progress.add_task(recipe, total=total_steps, status="")
 
-    def _init_wandb(self, config_dict: dict[str, Any], recipe: str) -> Any:
+    @property
+    def wandb_run_id(self) -> str | None:
+        return None if self.wandb_run is None else str(self.wandb_run.id)
+
+    def _init_wandb(self, config_dict: dict[str, Any], recipe: str, run_id: str | None) -> Any:
         try:
             import wandb
         except ImportError:
@@ -81,6 +87,8 @@ class Tracker:
                 config=config_dict,
                 mode=mode,
                 reinit="finish_previous",
+                id=run_id,
+                resume="allow" if run_id else None,
             )
         except Exception as e:  # tracking must never cost the run
             log.warning("W&B init failed (%s); continuing without it", e)
@@ -108,7 +116,7 @@ class Tracker:
 
     def carry_over(self, records: list[dict[str, Any]]) -> None:
         """A resumed run's earlier steps (the interrupted run's records): into this run's metrics.jsonl and
-        plot, not W&B (which has them in the earlier run)."""
+        plot, not W&B (the interrupted run's W&B run, which this one goes on with, has them)."""
         for record in records:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.history.append(record)

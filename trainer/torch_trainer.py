@@ -8,6 +8,11 @@ One `train_step(samples)` is one RL update on a scored rollout batch:
   2. reference-model logprobs when `kl_coef > 0`;
   3. `epochs_per_rollout` passes, each split into optimizer steps of `global_batch_size` samples, each step
      accumulated over packed micro-batches of at most `micro_batch_tokens` tokens.
+
+With data parallelism (`dp`, miles/distributed.py) each rank holds a replica and trains on its own share of
+the batch: the loss denominators are the whole batch's, the gradients are summed across ranks before each
+optimizer step, and the metrics are the whole batch's, so the replicas apply the one update a single process
+would (up to the order of float additions) and stay identical.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 from miles.config import AlgorithmConfig, TrainerConfig
+from miles.distributed import SINGLE, DataParallel
 from miles.models import CausalLM
 from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
@@ -61,11 +67,13 @@ class TorchTrainer:
         temperature: float,
         ref_model: CausalLM | None = None,
         total_optimizer_steps: int | None = None,
+        dp: DataParallel = SINGLE,
     ) -> None:
         """`temperature` is the rollout sampling temperature (logprobs use logits / temperature).
 
         `total_optimizer_steps` sizes the cosine schedule; when None it is set on the first call to
-        `max_steps * optimizer steps per call` (see `set_total_optimizer_steps`).
+        `max_steps * optimizer steps per call` (see `set_total_optimizer_steps`). With `dp` every rank
+        calls each step with its own samples (possibly none), and all of them must call it.
         """
         if algorithm.kl_coef > 0 and ref_model is None:
             raise ValueError(
@@ -81,6 +89,7 @@ class TorchTrainer:
             raise ValueError("trainer.global_batch_size and trainer.epochs_per_rollout must be positive")
         self.model, self.cfg, self.algorithm, self.ref_model = model, cfg, algorithm, ref_model
         self.temperature = temperature
+        self.dp = dp
         self.device = model.device
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.sft_loss = get_policy_loss("sft")
@@ -101,12 +110,13 @@ class TorchTrainer:
             raise ValueError(
                 f"RL training needs a sampling temperature > 0 (got {self.temperature}); greedy rollouts have no logprobs"
             )
-        if not samples:
-            raise ValueError("train_step got no samples; skip the update when a rollout yields none")
         start = time.perf_counter()
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
         n = len(samples)
+        offset, n_total = self._place(n)
+        if n_total == 0:
+            raise ValueError("train_step got no samples; skip the update when a rollout yields none")
         all_ids = list(range(n))
         masks = [
             torch.tensor(response_loss_mask(s), dtype=torch.float32, device=self.device) for s in samples
@@ -114,7 +124,7 @@ class TorchTrainer:
         replay = self.cfg.routing_replay
 
         gbs, epochs = self.cfg.global_batch_size, self.cfg.epochs_per_rollout
-        steps_per_epoch = math.ceil(n / gbs)
+        steps_per_epoch = math.ceil(n_total / gbs)
         if self.total_optimizer_steps is None:
             self.total_optimizer_steps = self.cfg.max_steps * steps_per_epoch * epochs
         # One epoch in one optimizer step is on-policy: the training forward runs on the weights the old
@@ -130,21 +140,22 @@ class TorchTrainer:
             data = TokenData(masks, None, ref, rollout_logprobs=rollout, tis_cap=tis_cap)
         else:
             old = self._logprobs_no_grad(self.model, samples, replay, self.temperature)
-            metrics.update(_mismatch_metrics(old, rollout, masks))
+            metrics.update(_mismatch_metrics(old, rollout, masks, self.dp))
             tis = None
             if tis_cap is not None:
-                tis, tis_metrics = _tis_weights(old, rollout, masks, tis_cap)
+                tis, tis_metrics = _tis_weights(old, rollout, masks, tis_cap, self.dp)
                 metrics.update(tis_metrics)
             data = TokenData(masks, old, ref, tis_weights=tis)
 
         step_metrics = []
         for epoch in range(epochs):
-            order = self._epoch_order(n, epoch) if steps_per_epoch > 1 else all_ids
-            for begin in range(0, n, gbs):
+            # Over the whole batch, numbered rank after rank: each rank takes its own samples of a step.
+            order = self._epoch_order(n_total, epoch) if steps_per_epoch > 1 else list(range(n_total))
+            for begin in range(0, n_total, gbs):
                 step_metrics.append(
                     self._optimizer_step(
                         samples,
-                        order[begin : begin + gbs],
+                        [g - offset for g in order[begin : begin + gbs] if offset <= g < offset + n],
                         data,
                         self.policy_loss,
                         self.temperature,
@@ -154,9 +165,9 @@ class TorchTrainer:
                 )
         if on_policy:
             old = [data.recorded_old[i] for i in all_ids]
-            metrics.update(_mismatch_metrics(old, rollout, masks))
+            metrics.update(_mismatch_metrics(old, rollout, masks, self.dp))
             if tis_cap is not None:
-                metrics.update(_tis_weights(old, rollout, masks, tis_cap)[1])
+                metrics.update(_tis_weights(old, rollout, masks, tis_cap, self.dp)[1])
         metrics.update(_summarise(step_metrics))
         if self.ref_model is None:
             metrics["train/kl"] = 0.0
@@ -167,11 +178,11 @@ class TorchTrainer:
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of masked NLL over the response tokens (temperature 1) on all `samples`."""
-        if not samples:
-            raise ValueError("sft_step got no samples")
         start = time.perf_counter()
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
+        if self._place(len(samples))[1] == 0:
+            raise ValueError("sft_step got no samples")
         if self.total_optimizer_steps is None:
             self.total_optimizer_steps = self.cfg.max_steps
         masks = [
@@ -313,6 +324,9 @@ class TorchTrainer:
     ) -> dict[str, float]:
         algo = self.algorithm
         normalizer = LossNormalizer.from_masks(algo.loss_agg, [data.loss_mask[i] for i in ids])
+        if self.dp.enabled:  # the aggregation's denominators are the whole batch's, over every rank
+            tokens, seqs = self.dp.all_reduce_floats([normalizer.num_tokens, normalizer.num_seqs])
+            normalizer = LossNormalizer(algo.loss_agg, int(tokens), int(seqs))
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
@@ -358,7 +372,7 @@ class TorchTrainer:
             sums["train/nll"] += (-out.logprobs.detach() * mean_weights).sum()
             for name, values in result.token_metrics.items():
                 sums[name] += (values.detach().float() * mean_weights).sum()
-        metrics = {name: value.item() for name, value in sums.items()}
+        metrics = self._sum_over_ranks({name: value.item() for name, value in sums.items()})
         metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
         return metrics
 
@@ -385,6 +399,8 @@ class TorchTrainer:
 
     def _apply_update(self, skip: bool) -> dict[str, float]:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.dp.enabled:
+            self._sum_gradients(params)
         clip = self.cfg.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
         lr = self.lr
@@ -398,42 +414,110 @@ class TorchTrainer:
         self.optimizer_steps_done += 1  # the schedule advances either way, so it stays aligned with RL steps
         return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": float(skip)}
 
+    def _place(self, count: int) -> tuple[int, int]:
+        """(where this rank's samples begin, how many there are) in the batch numbered rank after rank."""
+        if not self.dp.enabled:
+            return 0, count
+        counts = self.dp.all_gather_objects(count)
+        return sum(counts[: self.dp.rank]), sum(counts)
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Each rank's shares of the batch's metrics, summed (a rank without micro-batches has none)."""
+        if not self.dp.enabled:
+            return values
+        totals: dict[str, float] = {}
+        for part in self.dp.all_gather_objects(values):
+            for name, value in part.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    def _sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the gradients across ranks, in buckets. A parameter no rank produced a gradient for keeps
+        none (AdamW skips it, as in one process); one that only some ranks did counts zeros elsewhere."""
+        anywhere = self.dp.all_reduce_floats([float(p.grad is not None) for p in params], "max")
+        grads = []
+        for p, has_grad in zip(params, anywhere):
+            if has_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        for bucket in _grad_buckets(grads):
+            flat = self.dp.all_reduce(torch.cat([g.reshape(-1) for g in bucket]))
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
     def _throughput(
         self, samples: list[Sample], epochs: int, passes: int, seconds: float
     ) -> dict[str, float]:
         fed = [fed_length(s) for s in samples]
+        response = sum(len(s.response_ids) for s in samples)
+        flops = forward_flops(self.model.args, fed, response) * passes if self.peak_flops is not None else 0.0
+        fed_total, response, flops = self.dp.all_reduce_floats([sum(fed), response, flops])
+        seconds = max(self.dp.all_reduce_floats([seconds], "max")[0], 1e-9)
         metrics = {
-            "train/tokens": float(sum(fed) * epochs),
-            "train/response_tokens": float(sum(len(s.response_ids) for s in samples)),
-            "train/tokens_per_s": sum(fed) * epochs / max(seconds, 1e-9),
+            "train/tokens": float(fed_total * epochs),
+            "train/response_tokens": float(response),
+            "train/tokens_per_s": fed_total * epochs / seconds,
         }
         if self.peak_flops is not None:
-            flops = forward_flops(self.model.args, fed, sum(len(s.response_ids) for s in samples)) * passes
-            metrics["train/mfu"] = flops / max(seconds, 1e-9) / self.peak_flops
+            metrics["train/mfu"] = flops / seconds / (self.peak_flops * self.dp.world_size)
         return metrics
 
 
+_GRAD_BUCKET_ELEMENTS = 64 * 1024 * 1024
+"""Gradient elements summed across ranks in one all-reduce."""
+
+
+def _grad_buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype, up to `_GRAD_BUCKET_ELEMENTS` elements a bucket."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        if not buckets or grad.dtype != buckets[-1][0].dtype or size + grad.numel() > _GRAD_BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel()
+    return buckets
+
+
 def _mismatch_metrics(
-    old: list[torch.Tensor], rollout: list[torch.Tensor | None], masks: list[torch.Tensor]
+    old: list[torch.Tensor],
+    rollout: list[torch.Tensor | None],
+    masks: list[torch.Tensor],
+    dp: DataParallel = SINGLE,
 ) -> dict[str, float]:
-    """Trainer-vs-engine agreement over the loss tokens of samples that carry rollout logprobs."""
+    """Trainer-vs-engine agreement over the loss tokens of samples that carry rollout logprobs (of every
+    rank's samples)."""
     pairs = [(o, r, m > 0) for o, r, m in zip(old, rollout, masks) if r is not None]
-    if not pairs or not any(keep.any() for _, _, keep in pairs):
+    count, diff_sum, kl_sum, diff_max = 0.0, 0.0, 0.0, 0.0
+    if pairs and any(keep.any() for _, _, keep in pairs):
+        trainer_lp = torch.cat([o[keep] for o, _, keep in pairs])
+        rollout_lp = torch.cat([r[keep] for _, r, keep in pairs])
+        diff = (trainer_lp - rollout_lp).abs()
+        # The engine sampled these tokens, so k3 with r = pi_trainer / pi_rollout is unbiased for KL(rollout || trainer).
+        kl = kl_estimate(rollout_lp, trainer_lp, "k3")
+        count = float(diff.numel())
+        diff_sum, kl_sum, diff_max = diff.double().sum().item(), kl.double().sum().item(), diff.max().item()
+    count, diff_sum, kl_sum = dp.all_reduce_floats([count, diff_sum, kl_sum])
+    diff_max = dp.all_reduce_floats([diff_max], "max")[0]
+    if count == 0:
         return {}
-    trainer_lp = torch.cat([o[keep] for o, _, keep in pairs])
-    rollout_lp = torch.cat([r[keep] for _, r, keep in pairs])
-    diff = (trainer_lp - rollout_lp).abs()
-    # The engine sampled these tokens, so k3 with r = pi_trainer / pi_rollout is unbiased for KL(rollout || trainer).
-    kl = kl_estimate(rollout_lp, trainer_lp, "k3")
     return {
-        "mismatch/logprob_abs_diff_mean": diff.mean().item(),
-        "mismatch/logprob_abs_diff_max": diff.max().item(),
-        "mismatch/kl": kl.mean().item(),
+        "mismatch/logprob_abs_diff_mean": diff_sum / count,
+        "mismatch/logprob_abs_diff_max": diff_max,
+        "mismatch/kl": kl_sum / count,
     }
 
 
 def _tis_weights(
-    old: list[torch.Tensor], rollout: list[torch.Tensor | None], masks: list[torch.Tensor], cap: float
+    old: list[torch.Tensor],
+    rollout: list[torch.Tensor | None],
+    masks: list[torch.Tensor],
+    cap: float,
+    dp: DataParallel = SINGLE,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per-token min(pi_old / pi_rollout, cap) (ones where the engine gave no logprobs) and their stats."""
     weights, raw_kept = [], []
@@ -444,12 +528,18 @@ def _tis_weights(
         raw = torch.exp(o - r)
         weights.append(raw.clamp(max=cap))
         raw_kept.append(raw[m > 0])
-    if sum(x.numel() for x in raw_kept) == 0:
+    count, clipped, weight_sum = 0.0, 0.0, 0.0
+    if sum(x.numel() for x in raw_kept):
+        raw_all = torch.cat(raw_kept)
+        count = float(raw_all.numel())
+        clipped = (raw_all > cap).double().sum().item()
+        weight_sum = raw_all.clamp(max=cap).double().sum().item()
+    count, clipped, weight_sum = dp.all_reduce_floats([count, clipped, weight_sum])
+    if count == 0:
         return weights, {}
-    raw_all = torch.cat(raw_kept)
     return weights, {
-        "mismatch/tis_clipfrac": (raw_all > cap).float().mean().item(),
-        "mismatch/tis_weight_mean": raw_all.clamp(max=cap).mean().item(),
+        "mismatch/tis_clipfrac": clipped / count,
+        "mismatch/tis_weight_mean": weight_sum / count,
     }
 
 

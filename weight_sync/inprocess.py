@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,9 @@ class SyncResult:
     bytes: int
     checksum_ok: bool
     mismatched: list[str]
+    fingerprints: dict[str, int] = field(default_factory=dict)
+    """The trainer's weights' fingerprints, bit for bit in their own dtype (when verified): ranks of a
+    data-parallel run compare theirs to prove their replicas are identical."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -77,9 +80,12 @@ class InProcessWeightSync:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         mismatched: list[str] = []
+        own: dict[str, int] = {}
         if self.verify:
             engine_dtype = self.engine.model.dtype
             expected = fingerprints(named, dtype=engine_dtype)
             actual = fingerprints(self.engine.model.named_parameters())
             mismatched = compare(expected, actual)
-        return SyncResult(version, seconds, moved, not mismatched, mismatched)
+            same_dtype = all(t.dtype == engine_dtype for _, t in named)
+            own = expected if same_dtype else fingerprints(named)
+        return SyncResult(version, seconds, moved, not mismatched, mismatched, own)

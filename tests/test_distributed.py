@@ -1,0 +1,181 @@
+"""Data parallelism (miles/distributed.py): ranks' metrics combined, a data-parallel trainer step equal to
+one process's on the whole batch, and `placement.num_processes=2` runs of the RL loop on CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dp_helpers import make_trainer, scored_samples, tiny_moe, train_worker
+from safetensors.torch import load_file
+
+from miles.distributed import SINGLE, DataParallel, combine_metrics
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_combine_metrics_adds_counts_takes_maxima_and_weights_means() -> None:
+    a = {"reward/mean": 1.0, "reward/std": 0.0, "reward/errors": 2.0, "time/rollout": 3.0, "x/max": 4.0}
+    b = {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 1.0, "time/rollout": 5.0, "x/max": 1.0}
+    b["rollout/tokens_per_s"] = 10.0
+    out = combine_metrics([a, b], [3.0, 1.0])
+    assert out["reward/mean"] == pytest.approx(0.75)
+    # pooled: three samples at 1 and one at 0 -> population std sqrt(0.75 * 0.25)
+    assert out["reward/std"] == pytest.approx(math.sqrt(0.75 * 0.25))
+    assert out["reward/errors"] == 3.0 and out["time/rollout"] == 5.0 and out["x/max"] == 4.0
+    assert out["rollout/tokens_per_s"] == 10.0  # only one rank reported it
+    # a mean with its own count is weighted by the count, not by the ranks' samples
+    c = combine_metrics(
+        [{"r/f/mean": 1.0, "r/f/count": 1.0}, {"r/f/mean": 0.0, "r/f/count": 3.0}], [5.0, 5.0]
+    )
+    assert c["r/f/mean"] == pytest.approx(0.25) and c["r/f/count"] == 4.0
+
+
+def test_shard_keeps_whole_items_in_order() -> None:
+    items = list(range(7))
+    shards = [DataParallel(rank=r, world_size=3).shard(items) for r in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+    assert SINGLE.shard(items) == items
+
+
+CASES = {
+    "token_mean": {"num_samples": 10, "global_batch_size": 10, "loss_agg": "token_mean"},
+    "seq_mean_two_optimizer_steps_tis": {
+        "num_samples": 11,
+        "global_batch_size": 6,
+        "loss_agg": "seq_mean_token_mean",
+        "tis": True,
+    },
+    "token_sum_two_epochs": {
+        "num_samples": 8,
+        "global_batch_size": 8,
+        "loss_agg": "seq_mean_token_sum",
+        "epochs": 2,
+    },
+    "one_rank_without_samples": {
+        "num_samples": 5,
+        "global_batch_size": 5,
+        "loss_agg": "token_mean",
+        "shards": [[0, 1, 2, 3, 4], []],
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_data_parallel_step_equals_one_process_on_the_whole_batch(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    world = 2
+    mp.start_processes(
+        train_worker, args=(world, free_port(), case, str(tmp_path)), nprocs=world, start_method="spawn"
+    )
+    model = tiny_moe()
+    trainer = make_trainer(model, case, SINGLE)
+    samples = scored_samples(case["num_samples"])
+    shards = case.get("shards") or [list(range(r, len(samples), world)) for r in range(world)]
+    in_rank_order = [samples[i] for shard in shards for i in shard]  # how the ranks number the batch
+    expected = [trainer.train_step(in_rank_order) for _ in range(case.get("steps", 1))]
+    ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(world)]
+    for name_, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name_]), f"the replicas differ in {name_}"  # bit for bit
+    moved = 0.0
+    initial = tiny_moe().state_dict()
+    for name_, value in model.state_dict().items():
+        # Adam's first steps move each weight by about lr * sign(grad), so a gradient that is ~0 up to the
+        # order of float additions can move a weight by a little more or less: 1 % of lr. Scale errors do
+        # not show here (Adam divides them out); train/grad_norm below compares them.
+        torch.testing.assert_close(ranks[0][name_], value, rtol=0, atol=1e-4)
+        moved = max(moved, (value - initial[name_]).abs().max().item())
+    assert moved > 1e-3  # the step changed the weights, so equal weights mean equal updates
+    got = json.loads((tmp_path / "rank0.json").read_text())
+    assert json.loads((tmp_path / "rank1.json").read_text()) == got  # every rank reports the batch's metrics
+    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/tokens"):
+        assert got[-1][key] == pytest.approx(expected[-1][key], rel=1e-5, abs=1e-7), key
+    assert got[-1]["train/optimizer_steps"] == expected[-1]["train/optimizer_steps"]
+    if "mismatch/logprob_abs_diff_mean" in expected[-1]:
+        for key in ("mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "mismatch/kl"):
+            assert got[-1][key] == pytest.approx(expected[-1][key], rel=1e-5), key
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_train_as_one_and_resume(tmp_path: Path) -> None:
+    """`placement.num_processes=2` on CPU: each rank generates half of the groups, and the first step's
+    samples, rewards and update are one process's (deterministic mode: a request draws the same whatever
+    else is in the batch); the replicas stay identical; rank 0 writes the run folder; a run resumed from
+    the step-1 checkpoint repeats step 2 bit for bit."""
+    from test_loop import run_miles
+
+    common = [
+        "recipe=grpo_math",
+        "trainer.max_steps=2",
+        "trainer.save_every=1",
+        "trainer.eval_every=2",
+        "data.test_size=8",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "trainer.global_batch_size=16",
+        "rollout.deterministic=true",
+    ]
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    out = run_miles(tmp_path, *common, run_dir=one)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_miles(tmp_path, *common, "placement.num_processes=2", run_dir=two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    single, double = _records(one), _records(two)
+    assert [r["step"] for r in double] == [0, 1, 2]
+    assert double[0]["eval/accuracy"] == single[0]["eval/accuracy"]
+    assert double[0]["eval/num_samples"] == single[0]["eval/num_samples"] == 8
+    first, expected = double[1], single[1]
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "response_length/mean",
+        "rollout/output_tokens",
+        "adv/num_groups",
+    ):
+        assert first[key] == pytest.approx(expected[key], rel=1e-9), key
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "mismatch/logprob_abs_diff_mean"):
+        assert first[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key
+    assert all(r["sync/replicas_equal"] == 1.0 and r["sync/checksum_ok"] == 1.0 for r in double[1:])
+    rows = [json.loads(line) for line in (two / "samples.jsonl").read_text().splitlines()]
+    assert {row["step"] for row in rows} == {1, 2}  # one writer: rank 0
+    state = json.loads((two / "checkpoints" / "step_000001" / "resume" / "run_state.json").read_text())
+    assert len(state["engine"]["ranks"]) == 2
+
+    out = run_miles(
+        tmp_path,
+        *common,
+        "placement.num_processes=2",
+        f"trainer.resume_from={two / 'checkpoints' / 'step_000001'}",
+        run_dir=resumed,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = _records(resumed)[-1]
+    for key in ("reward/mean", "train/loss", "train/grad_norm", "response_length/mean", "eval/accuracy"):
+        assert again[key] == double[-1][key], key
+
+
+def test_a_failing_rank_fails_the_run_with_its_error(tmp_path: Path) -> None:
+    from test_loop import run_miles
+
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        "trainer.max_steps=1",
+        "placement.num_processes=2",
+        "model.path=/nonexistent/model",
+        run_dir=tmp_path / "bad",
+    )
+    assert out.returncode == 2
+    assert "/nonexistent/model" in out.stderr and "a process of the run exited with code" in out.stderr

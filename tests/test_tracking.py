@@ -1,0 +1,42 @@
+"""Tracker: a resumed run goes on logging to the interrupted run's W&B run (offline here, no key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles.config import LoggingConfig
+from miles.resume import read_run_state, write_run_state
+from miles.tracking import Tracker
+
+
+def test_a_resumed_tracker_logs_to_the_same_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = LoggingConfig(wandb=True, wandb_mode="offline", progress=False, plot_every=0)
+    first = Tracker(tmp_path / "first", cfg, {"a": 1}, "recipe", 4)
+    first.log_step(1, {"reward/mean": 0.5})
+    run_id = first.wandb_run_id
+    first.close()
+    assert run_id
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    trainer_state = {"tensors": {}, "meta": {}}
+    config = {"trainer": {"max_steps": 4}, "recipe": "recipe"}
+    write_run_state(folder, 1, config, trainer_state, {}, {}, wandb_run_id=run_id)
+    assert json.loads((folder / "resume" / "run_state.json").read_text())["wandb_run_id"] == run_id
+    state = read_run_state(folder)
+    assert state.wandb_run_id == run_id
+
+    second = Tracker(tmp_path / "second", cfg, {"a": 1}, "recipe", 4, wandb_run_id=state.wandb_run_id)
+    second.log_step(2, {"reward/mean": 0.6})
+    assert second.wandb_run_id == run_id
+    second.close()
+    assert list((tmp_path / "second" / "wandb").glob(f"offline-run-*-{run_id}"))
