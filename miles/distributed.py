@@ -184,46 +184,82 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2) -> int:
+def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list[str] | None = None) -> int:
     """Start `num_processes` ranks of the run whose resolved config is `run_dir/config.yaml` on this
     machine and wait for them. If one fails, the others are stopped (a rank that died leaves the rest
-    waiting in a collective). Returns the first non-zero exit code, or 0."""
+    waiting in a collective), and so are they all if this process is interrupted or terminated. Returns
+    the first non-zero exit code, or 0. (`command` replaces the rank's program, for tests.)"""
     port = _free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    for rank in range(num_processes):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(num_processes),
-            "LOCAL_WORLD_SIZE": str(num_processes),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            _LAUNCHED_ENV: str(os.getpid()),
-        }
-        cmd = [sys.executable, "-m", "miles.distributed", str(run_dir)]
-        procs.append(subprocess.Popen(cmd, env=env))
+
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # through the `finally` below, which stops the ranks
+
+    previous = {sig: signal.signal(sig, terminated) for sig in (signal.SIGTERM, signal.SIGHUP)}
     code = 0
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        for rank in range(num_processes):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(num_processes),
+                "LOCAL_WORLD_SIZE": str(num_processes),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                _LAUNCHED_ENV: str(os.getpid()),
+            }
+            cmd = command or [sys.executable, "-m", "miles.distributed", str(run_dir)]
+            procs.append(subprocess.Popen(cmd, env=env))
+        while True:
+            codes = [p.poll() for p in procs]  # every rank, each round
+            failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 code = failed[0]
                 break
+            if all(c == 0 for c in codes):
+                break
             time.sleep(poll_s)
+    finally:
+        _stop(procs)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
+    """SIGTERM to the ranks still running, then SIGKILL to those that outlive `grace_s`; a second Ctrl-C
+    while waiting goes straight to SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
     finally:
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    if code == 0:
-        code = next((p.returncode for p in procs if p.returncode != 0), 0)
-    return code
+
+
+def _exit_with_launcher() -> None:
+    """In a rank `launch` started: end this process if the launcher is gone (killed with SIGKILL, say),
+    instead of living on, orphaned, in a collective."""
+    import threading
+
+    launcher = int(os.environ[_LAUNCHED_ENV])
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != launcher:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="miles-launcher-watch", daemon=True).start()
 
 
 # ---- metrics of a step, from every rank's to one set ----------------------------------------------------
@@ -242,20 +278,29 @@ _SUMMED_ENDINGS = (
     "/count",
     "tokens",
     "tokens_per_s",
+    "bytes",
+    "_steps",
 )
 """Counts and rates: each rank's is its part of the whole, so they add (N engines make N times the tokens)."""
 
-_LARGEST_ENDINGS = ("/max", "_peak", "_s")
+_LARGEST_ENDINGS = ("/max", "_peak", "_s", "seconds")
 """Maxima, peaks and durations (`rollout/decode_s`): the ranks run at the same time, so the step lasts the
 longest rank's."""
+
+_WEIGHTED_BY = {
+    "rollout/prefix_hit_rate": "rollout/prompt_tokens",
+    "rollout/spec_accept_length": "rollout/spec_steps",
+}
+"""Means over something other than samples: each rank's weighs by its count of that."""
 
 
 def combine_metrics(per_rank: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
     """One metric set from each rank's, for the metrics a rank measures on its own share of the step:
     counts and rates add, maxima, peaks and durations (`time/*`, `*_s`) take the largest, `/min` the
     smallest, and every other value is a mean over the ranks weighted by `weights` (their numbers of
-    samples), or by `P/count` for the keys under `P/` where the ranks report one; a `/std` is pooled with its
-    `/mean`. A key some rank lacks is combined over the ranks that have it."""
+    samples), or by `P/count` for the keys under `P/` where the ranks report one (by `_WEIGHTED_BY`'s count
+    for the keys it names); a `/std` is pooled with its `/mean`. A key some rank lacks is combined over the
+    ranks that have it."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     keys = list(dict.fromkeys(k for metrics in per_rank for k in metrics))
@@ -263,7 +308,7 @@ def combine_metrics(per_rank: list[dict[str, float]], weights: list[float]) -> d
     for key in keys:
         prefix = key.rsplit("/", 1)[0]
         have = [
-            (float(m[key]), _weight(m, prefix, w), m)
+            (float(m[key]), _weight(m, key, prefix, w), m)
             for m, w in zip(per_rank, weights)
             if m.get(key) is not None
         ]
@@ -288,8 +333,8 @@ def combine_metrics(per_rank: list[dict[str, float]], weights: list[float]) -> d
     return out
 
 
-def _weight(metrics: dict[str, float], prefix: str, default: float) -> float:
-    count = metrics.get(f"{prefix}/count")
+def _weight(metrics: dict[str, float], key: str, prefix: str, default: float) -> float:
+    count = metrics.get(_WEIGHTED_BY.get(key, f"{prefix}/count"))
     return default if count is None else float(count)
 
 
@@ -320,6 +365,7 @@ def _worker_main(run_dir: str) -> int:
     from miles.config import MilesConfig
     from miles.run import run
 
+    _exit_with_launcher()
     folder = Path(run_dir)
     text = (folder / "config.yaml").read_text()
     merged = OmegaConf.merge(OmegaConf.structured(MilesConfig), OmegaConf.create(text))

@@ -278,7 +278,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         engine.metrics()
         if multiturn is not None:
             metrics["eval/generate_errors"] = multiturn.metrics()["rollout/generate_errors"]
-        return reduce_metrics(dp, metrics, len(prompts))
+        return reduce_metrics(dp, metrics, metrics.get("eval/num_samples", len(prompts)))
 
     try:
         if cfg.trainer.eval_every and test_prompts and first_step == 1:
@@ -324,11 +324,11 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             own["time/train"] = time.perf_counter() - t
 
             result = sync.sync(version=step)
-            metrics.update(result.metrics())
+            own.update(result.metrics())
             own["time/sync"] = result.seconds
             if dp.enabled:
                 metrics.update(_replica_metrics(dp, result))
-            if not metrics["sync/checksum_ok"]:
+            if not metrics.get("sync/checksum_ok", result.checksum_ok):
                 log.error("weight sync checksum mismatch after step %d: %s", step, result.mismatched[:5])
             if not metrics.get("sync/replicas_equal", 1.0):
                 log.error("after step %d the ranks' weights differ", step)
@@ -345,7 +345,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             if busy is not None and (fraction := busy[1].stop()) is not None:
                 own[busy[0]] = fraction
             own["time/step"] = time.perf_counter() - step_start
-            metrics.update(reduce_metrics(dp, own, len(samples)))
+            # The batch-wide values win where both have a key (`rollout/aborted` counts the samples a failed
+            # generate plugin cost too, which the engine's counter does not).
+            metrics = {**reduce_metrics(dp, own, len(samples)), **metrics}
             if tracker is not None:
                 tracker.log_samples(step, everyone)
                 tracker.log_step(step, metrics)

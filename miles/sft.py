@@ -97,12 +97,12 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
                 eval_metrics, _ = evaluate(
                     engine.generate, rewards, prompts, eval_tokens, eos, list(cfg.rollout.stop)
                 )
-                metrics.update(reduce_metrics(dp, eval_metrics, len(prompts)))
-            if (
-                (cfg.trainer.save_every and step % cfg.trainer.save_every == 0)
-                or (is_last and cfg.trainer.save_final)
-                and dp.is_main
-            ):
+                weight = eval_metrics.get("eval/num_samples", len(prompts))
+                metrics.update(reduce_metrics(dp, eval_metrics, weight))
+            saving = (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
+                is_last and cfg.trainer.save_final
+            )
+            if saving and dp.is_main:
                 save_checkpoint(model, tokenizer, run_dir, step, keep_last=cfg.trainer.keep_last)
             if tracker is not None:
                 tracker.log_step(step, metrics)

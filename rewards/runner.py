@@ -233,6 +233,7 @@ class RewardRunner:
             for name, indices in members.items():
                 scored = [outcomes[(i, name)] for i in indices]
                 metrics[f"reward/{name}/mean"] = statistics.fmean(o.score for o in scored)
+                metrics[f"reward/{name}/count"] = float(len(scored))
                 metrics[f"reward/{name}/errors"] = float(sum(o.failed for o in scored))
         if self._pool is not None:
             metrics["reward/worker_restarts"] = float(self._pool.restarts)

@@ -581,6 +581,7 @@ class Engine:
             "rollout/preemptions": float(s.preemptions),
             "rollout/output_tokens": float(s.output_tokens),
             "rollout/prefill_tokens": float(s.prefill_tokens),
+            "rollout/prompt_tokens": float(s.prompt_tokens),
             "rollout/cached_prompt_tokens": float(s.cached_prompt_tokens),
             "rollout/prefill_s": s.prefill_s,
             "rollout/decode_s": s.decode_s,
@@ -590,6 +591,7 @@ class Engine:
             "rollout/spec_accept_length": (
                 1.0 + s.spec_accepted_tokens / s.spec_steps if s.spec_steps else 0.0
             ),
+            "rollout/spec_steps": float(s.spec_steps),
             "rollout/spec_draft_tokens": float(s.spec_draft_tokens),
             "rollout/spec_proposed_tokens": float(s.spec_proposed_tokens),
             "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),

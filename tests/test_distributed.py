@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,7 @@ import torch.multiprocessing as mp
 from dp_helpers import make_trainer, scored_samples, tiny_moe, train_worker
 from safetensors.torch import load_file
 
-from miles.distributed import SINGLE, DataParallel, combine_metrics
+from miles.distributed import SINGLE, DataParallel, combine_metrics, launch
 
 
 def free_port() -> int:
@@ -80,9 +85,7 @@ def test_data_parallel_step_equals_one_process_on_the_whole_batch(name: str, tmp
     model = tiny_moe()
     trainer = make_trainer(model, case, SINGLE)
     samples = scored_samples(case["num_samples"])
-    shards = case.get("shards") or [list(range(r, len(samples), world)) for r in range(world)]
-    in_rank_order = [samples[i] for shard in shards for i in shard]  # how the ranks number the batch
-    expected = [trainer.train_step(in_rank_order) for _ in range(case.get("steps", 1))]
+    expected = [trainer.train_step(samples) for _ in range(case.get("steps", 1))]
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(world)]
     for name_, value in ranks[0].items():
         assert torch.equal(value, ranks[1][name_]), f"the replicas differ in {name_}"  # bit for bit
@@ -124,7 +127,7 @@ def test_two_processes_train_as_one_and_resume(tmp_path: Path) -> None:
         "data.test_size=8",
         "rollout.rollout_batch_size=4",
         "rollout.n_samples_per_prompt=4",
-        "trainer.global_batch_size=16",
+        "trainer.global_batch_size=8",  # two optimizer steps a rollout: their samples must be one process's
         "rollout.deterministic=true",
     ]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
@@ -179,3 +182,79 @@ def test_a_failing_rank_fails_the_run_with_its_error(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "/nonexistent/model" in out.stderr and "a process of the run exited with code" in out.stderr
+
+
+_RANK_PROGRAM = """
+import os, sys, time
+folder, world = sys.argv[1], int(os.environ["WORLD_SIZE"])
+open(os.path.join(folder, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
+if os.environ["RANK"] == sys.argv[2]:
+    while not all(os.path.exists(os.path.join(folder, "pid%d" % r)) for r in range(world)):
+        time.sleep(0.01)  # fail once every rank runs
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped) counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.is_file() and stat.read_text().split()[2] == "Z")
+
+
+@pytest.mark.parametrize("failing_rank", ["0", "2"])
+def test_the_launcher_stops_every_rank_when_any_fails(tmp_path: Path, failing_rank: str) -> None:
+    start = time.monotonic()
+    program = [sys.executable, "-c", _RANK_PROGRAM, str(tmp_path), failing_rank]
+    assert launch(tmp_path, 3, poll_s=0.05, command=program) == 3
+    assert time.monotonic() - start < 60  # not the survivors' 120 s
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(3)]
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
+    script = (
+        "import sys; from pathlib import Path; from miles.distributed import launch; "
+        f"sys.exit(launch(Path({str(tmp_path)!r}), 2, command=[sys.executable, '-c', {_RANK_PROGRAM!r}, "
+        f"{str(tmp_path)!r}, '-1']))"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{r}").is_file() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_sft_on_two_processes_takes_one_process_steps(tmp_path: Path) -> None:
+    from test_loop import run_miles
+
+    common = [
+        "recipe=sft_math",
+        "trainer.max_steps=2",
+        "trainer.save_every=1",
+        "trainer.eval_every=2",
+        "data.train_size=32",
+        "data.test_size=4",
+        "trainer.sft_batch_size=16",
+    ]
+    out = run_miles(tmp_path, *common, run_dir=tmp_path / "one")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_miles(tmp_path, *common, "placement.num_processes=2", run_dir=tmp_path / "two")
+    assert out.returncode == 0, out.stderr[-3000:]
+    single, double = _records(tmp_path / "one"), _records(tmp_path / "two")
+    assert [r["step"] for r in double] == [1, 2]
+    for mine, theirs in zip(double, single, strict=True):
+        for key in ("train/loss", "train/grad_norm", "train/tokens"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4), key
+    assert double[-1]["eval/num_samples"] == 4
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [
+        "step_000001",
+        "step_000002",
+    ]

@@ -10,7 +10,8 @@ One `train_step(samples)` is one RL update on a scored rollout batch:
      accumulated over packed micro-batches of at most `micro_batch_tokens` tokens.
 
 With data parallelism (`dp`, miles/distributed.py) each rank holds a replica and trains on its own share of
-the batch: the loss denominators are the whole batch's, the gradients are summed across ranks before each
+the batch: the batch is ordered by (group, index) across ranks so each optimizer step holds one process's
+samples, the loss denominators are the whole batch's, the gradients are summed across ranks before each
 optimizer step, and the metrics are the whole batch's, so the replicas apply the one update a single process
 would (up to the order of float additions) and stay identical.
 """
@@ -114,7 +115,7 @@ class TorchTrainer:
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
         n = len(samples)
-        offset, n_total = self._place(n)
+        positions, n_total = self._positions(samples)
         if n_total == 0:
             raise ValueError("train_step got no samples; skip the update when a rollout yields none")
         all_ids = list(range(n))
@@ -148,14 +149,15 @@ class TorchTrainer:
             data = TokenData(masks, old, ref, tis_weights=tis)
 
         step_metrics = []
+        local = {position: i for i, position in enumerate(positions)}
         for epoch in range(epochs):
-            # Over the whole batch, numbered rank after rank: each rank takes its own samples of a step.
+            # Over the whole batch: each rank takes its own samples of each optimizer step.
             order = self._epoch_order(n_total, epoch) if steps_per_epoch > 1 else list(range(n_total))
             for begin in range(0, n_total, gbs):
                 step_metrics.append(
                     self._optimizer_step(
                         samples,
-                        [g - offset for g in order[begin : begin + gbs] if offset <= g < offset + n],
+                        [local[g] for g in order[begin : begin + gbs] if g in local],
                         data,
                         self.policy_loss,
                         self.temperature,
@@ -181,7 +183,7 @@ class TorchTrainer:
         start = time.perf_counter()
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
-        if self._place(len(samples))[1] == 0:
+        if self._positions(samples)[1] == 0:
             raise ValueError("sft_step got no samples")
         if self.total_optimizer_steps is None:
             self.total_optimizer_steps = self.cfg.max_steps
@@ -414,12 +416,19 @@ class TorchTrainer:
         self.optimizer_steps_done += 1  # the schedule advances either way, so it stays aligned with RL steps
         return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": float(skip)}
 
-    def _place(self, count: int) -> tuple[int, int]:
-        """(where this rank's samples begin, how many there are) in the batch numbered rank after rank."""
+    def _positions(self, samples: list[Sample]) -> tuple[list[int], int]:
+        """Where each of this rank's samples sits in the whole batch, and the batch's size. One process's
+        batch is its list; across ranks the batch is ordered by (group, index), as one process's rollout
+        returns it, so the optimizer steps hold the samples one process's would."""
         if not self.dp.enabled:
-            return 0, count
-        counts = self.dp.all_gather_objects(count)
-        return sum(counts[: self.dp.rank]), sum(counts)
+            return list(range(len(samples))), len(samples)
+        keys = self.dp.all_gather_objects([(s.group_id, s.index) for s in samples])
+        ordered = sorted((key, rank, i) for rank, part in enumerate(keys) for i, key in enumerate(part))
+        positions = [0] * len(samples)
+        for position, (_, rank, i) in enumerate(ordered):
+            if rank == self.dp.rank:
+                positions[i] = position
+        return positions, len(ordered)
 
     def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Each rank's shares of the batch's metrics, summed (a rank without micro-batches has none)."""
@@ -499,6 +508,12 @@ def _mismatch_metrics(
         diff = (trainer_lp - rollout_lp).abs()
         # The engine sampled these tokens, so k3 with r = pi_trainer / pi_rollout is unbiased for KL(rollout || trainer).
         kl = kl_estimate(rollout_lp, trainer_lp, "k3")
+        if not dp.enabled:
+            return {
+                "mismatch/logprob_abs_diff_mean": diff.mean().item(),
+                "mismatch/logprob_abs_diff_max": diff.max().item(),
+                "mismatch/kl": kl.mean().item(),
+            }
         count = float(diff.numel())
         diff_sum, kl_sum, diff_max = diff.double().sum().item(), kl.double().sum().item(), diff.max().item()
     count, diff_sum, kl_sum = dp.all_reduce_floats([count, diff_sum, kl_sum])
@@ -531,6 +546,11 @@ def _tis_weights(
     count, clipped, weight_sum = 0.0, 0.0, 0.0
     if sum(x.numel() for x in raw_kept):
         raw_all = torch.cat(raw_kept)
+        if not dp.enabled:
+            return weights, {
+                "mismatch/tis_clipfrac": (raw_all > cap).float().mean().item(),
+                "mismatch/tis_weight_mean": raw_all.clamp(max=cap).mean().item(),
+            }
         count = float(raw_all.numel())
         clipped = (raw_all > cap).double().sum().item()
         weight_sum = raw_all.clamp(max=cap).double().sum().item()
