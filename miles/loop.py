@@ -225,10 +225,20 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         return_routing=cfg.rollout.record_routing,
     )
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-    resume_from = None
+    resume_from, wandb_run_id = None, None
     if cfg.trainer.resume_from:
-        folder = find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)
+        # Rank 0's choice for every rank (with `auto`, another run may save a newer checkpoint meanwhile).
+        found: str | MilesUserError
+        try:
+            found = str(find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)) if dp.is_main else ""
+        except MilesUserError as e:
+            found = e
+        found = dp.broadcast_object(found)
+        if isinstance(found, MilesUserError):
+            raise found
+        folder = Path(found)
         resume_from = (folder, read_run_state(folder))
+        wandb_run_id = _continued_wandb_run(folder, resume_from[1])
     tracker = None
     if dp.is_main:
         tracker = Tracker(
@@ -238,7 +248,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             cfg.recipe,
             cfg.trainer.max_steps,
             tokenizer,
-            wandb_run_id=resume_from[1].wandb_run_id if resume_from else None,
+            wandb_run_id=wandb_run_id,
         )
     last: dict[str, float] = {}
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
@@ -258,7 +268,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         engine_state = engine.state_dict()
         if dp.enabled:  # every rank's (a collective: all ranks are here), written by rank 0
             engine_state = {"ranks": dp.all_gather_objects(engine_state)}
-        wandb_run_id = None if tracker is None else tracker.wandb_run_id
+        run_id = tracker.wandb_run_id if tracker is not None and tracker.wandb_run_id else wandb_run_id
         return lambda folder: write_run_state(
             folder,
             step,
@@ -266,7 +276,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             trainer.state_dict(),
             loader.state_dict(),
             engine_state,
-            wandb_run_id,
+            run_id,
         )
 
     def run_eval() -> dict[str, float]:
@@ -348,8 +358,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             # The batch-wide values win where both have a key (`rollout/aborted` counts the samples a failed
             # generate plugin cost too, which the engine's counter does not).
             metrics = {**reduce_metrics(dp, own, len(samples)), **metrics}
-            if tracker is not None:
-                tracker.log_samples(step, everyone)
+            if tracker is not None:  # in one process's order (the ranks' samples come rank after rank)
+                tracker.log_samples(step, sorted(everyone, key=lambda s: (s.group_id, s.index)))
                 tracker.log_step(step, metrics)
             last = metrics
     finally:
@@ -361,6 +371,27 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             tracker.close()
         rewards.close()
     return last
+
+
+def _continued_wandb_run(checkpoint: Path, state: RunState) -> str | None:
+    """The interrupted run's W&B run id, when this run can go on with it: W&B drops steps at or below a
+    run's last one, so only if the interrupted run logged nothing past the checkpoint's step (it crashed
+    before its next step finished). Otherwise the resumed run gets a W&B run of its own."""
+    if not state.wandb_run_id:
+        return None
+    metrics = checkpoint.parent.parent / "metrics.jsonl"
+    last = None
+    if metrics.is_file():
+        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+        last = json.loads(lines[-1]).get("step") if lines else None
+    if last != state.step:
+        log.info(
+            "the interrupted run logged up to step %s, past the checkpoint's %d: this run gets a new W&B run",
+            last,
+            state.step,
+        )
+        return None
+    return state.wandb_run_id
 
 
 def _replica_metrics(dp: DataParallel, result: Any) -> dict[str, float]:

@@ -57,6 +57,7 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
             )
         return _last_metrics(run_dir)
     dp = distributed.init_data_parallel(config.placement.num_processes, config.model.device)
+    finished = False
     try:
         if dp.enabled:
             # Under torchrun each rank's Hydra picked its own timestamped folder; the run's is rank 0's.
@@ -71,12 +72,16 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
         if config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft":
             from miles.sft import run_sft
 
-            return run_sft(config, run_dir, dp)
-        from miles.loop import run_rl
+            result = run_sft(config, run_dir, dp)
+        else:
+            from miles.loop import run_rl
 
-        return run_rl(config, run_dir, dp)
+            result = run_rl(config, run_dir, dp)
+        finished = True
+        return result
     finally:
-        distributed.shutdown(dp)
+        if finished:  # after a failure, leave the group as it is: tearing it down may wait for the others
+            distributed.shutdown(dp)
 
 
 def _remove_if_only_hydra(folder: Path) -> None:

@@ -79,20 +79,22 @@ class Tracker:
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if os.environ.get("WANDB_MODE") == "disabled":
             mode = "disabled"
-        try:
-            return wandb.init(
-                project=self.cfg.wandb_project,
-                name=f"{recipe}-{self.run_dir.name}",
-                dir=str(self.run_dir),
-                config=config_dict,
-                mode=mode,
-                reinit="finish_previous",
-                id=run_id,
-                resume="allow" if run_id else None,
-            )
-        except Exception as e:  # tracking must never cost the run
-            log.warning("W&B init failed (%s); continuing without it", e)
-            return None
+        for attempt in [run_id, None] if run_id else [None]:
+            try:
+                return wandb.init(
+                    project=self.cfg.wandb_project,
+                    name=f"{recipe}-{self.run_dir.name}",
+                    dir=str(self.run_dir),
+                    config=config_dict,
+                    mode=mode,
+                    reinit="finish_previous",
+                    id=attempt,
+                    resume="allow" if attempt else None,
+                )
+            except Exception as e:  # tracking must never cost the run
+                again = "; starting a new W&B run" if attempt else "; continuing without it"
+                log.warning("W&B init failed (%s)%s", e, again)
+        return None
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

@@ -8,34 +8,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from test_trainer_torch import VOCAB, tiny_model
 
 from miles.config import AlgorithmConfig, OptimConfig, TrainerConfig
 from miles.distributed import DataParallel
-from miles.models import CausalLM, ModelArgs
+from miles.models import CausalLM
 from miles.sample import Sample
 from miles.trainer import TorchTrainer
 
-VOCAB = 32
-
 
 def tiny_moe(seed: int = 0) -> CausalLM:
-    model = CausalLM(
-        ModelArgs(
-            model_type="qwen3_moe",
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=8,
-            num_experts_per_tok=2,  # with few tokens some of the 8 experts see none on a rank: no grads there
-            moe_intermediate_size=16,
-        )
-    )
-    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
-    return model
+    # 8 experts, top 2: with few tokens some experts see none on a rank, so their grads are None there
+    return tiny_model(seed, num_experts=8)
 
 
 def scored_samples(n: int, seed: int = 0) -> list[Sample]:

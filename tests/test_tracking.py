@@ -40,3 +40,18 @@ def test_a_resumed_tracker_logs_to_the_same_wandb_run(
     assert second.wandb_run_id == run_id
     second.close()
     assert list((tmp_path / "second" / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+def test_the_wandb_run_goes_on_only_if_nothing_was_logged_past_the_checkpoint(tmp_path: Path) -> None:
+    from miles.loop import _continued_wandb_run
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    write_run_state(checkpoint, 2, {"trainer": {"max_steps": 4}}, {"tensors": {}, "meta": {}}, {}, {}, "abc")
+    state = read_run_state(checkpoint)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2)))
+    assert _continued_wandb_run(checkpoint, state) == "abc"  # crashed during step 3
+    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2, 3)))
+    assert _continued_wandb_run(checkpoint, state) is None  # W&B would drop the new step 3

@@ -34,22 +34,20 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_model(seed: int = 0, std: float = 0.2) -> CausalLM:
-    model = CausalLM(
-        ModelArgs(
-            model_type="qwen3_moe",
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-        )
+def tiny_model(seed: int = 0, std: float = 0.2, **overrides: int) -> CausalLM:
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
     )
+    model = CausalLM(ModelArgs(model_type="qwen3_moe", **{**shape, **overrides}))
     model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
     return model
 
