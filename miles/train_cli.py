@@ -39,6 +39,7 @@ def help_text() -> str:
         "common overrides:",
         "  trainer.max_steps=N  trainer.lr=X  rollout.n_samples_per_prompt=N  model.path=DIR  data.path=FILE",
         "  reward.fn=pkg.mod:func  logging.wandb=false  hydra.run.dir=DIR",
+        "  placement.num_processes=N   N data-parallel processes, one device each (or run under torchrun)",
         "",
         "  --cfg job       print the resolved config and exit",
         "  -m, --multirun  sweep: e.g. -m trainer.lr=1e-5,1e-4",
