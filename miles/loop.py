@@ -317,13 +317,11 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             metrics: dict[str, float] = rollout_metrics(everyone, cfg.rollout.max_new_tokens)
             # An aborted request (engine error, failed generate plugin) has no response: it costs its sample,
             # never the step, and stays out of its group's advantages (its reward 0 would lift the others').
-            usable = [
-                i for i, s in enumerate(everyone) if s.response_ids and s.status != SampleStatus.ABORTED
-            ]
+            usable = [i for i, s in enumerate(everyone) if _trainable(s)]
             metrics.update(compute_advantages([everyone[i] for i in usable], cfg.algorithm))
             for i, sample in enumerate(samples):
                 sample.advantage = everyone[offset + i].advantage
-            trainable = [s for s in samples if s.response_ids and s.status != SampleStatus.ABORTED]
+            trainable = [s for s in samples if _trainable(s)]
 
             t = time.perf_counter()
             metrics["train/dropped_samples"] = float(len(everyone) - len(usable))
@@ -371,6 +369,10 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             tracker.close()
         rewards.close()
     return last
+
+
+def _trainable(sample: Sample) -> bool:
+    return bool(sample.response_ids) and sample.status != SampleStatus.ABORTED
 
 
 def _continued_wandb_run(checkpoint: Path, state: RunState) -> str | None:
