@@ -10,7 +10,6 @@ samples, the trainer sums gradients across ranks, and rank 0 writes the run dire
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
@@ -39,7 +38,7 @@ from miles.resume import (
     write_run_state,
 )
 from miles.sample import Sample, SampleStatus
-from miles.tracking import Tracker, redact
+from miles.tracking import Tracker, read_records, redact
 from miles.utilization import busy_meter
 
 log = logging.getLogger("miles.loop")
@@ -169,9 +168,8 @@ def resume_run(
         )
     if dp.rank < len(engine_state) and engine_state[dp.rank]:
         engine.load_state_dict(engine_state[dp.rank])
-    metrics = folder.parent.parent / "metrics.jsonl"  # checkpoints/step_N/ -> the run folder
-    if tracker is not None and metrics.is_file():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if tracker is not None:
+        records = read_records(folder.parent.parent)  # checkpoints/step_N/ -> the run folder
         tracker.carry_over([r for r in records if r.get("step", state.step + 1) <= state.step])
     restore_rng(state)
     log.info("resumed from %s (step %d)", folder, state.step)
@@ -381,11 +379,8 @@ def _continued_wandb_run(checkpoint: Path, state: RunState) -> str | None:
     before its next step finished). Otherwise the resumed run gets a W&B run of its own."""
     if not state.wandb_run_id:
         return None
-    metrics = checkpoint.parent.parent / "metrics.jsonl"
-    last = None
-    if metrics.is_file():
-        lines = [line for line in metrics.read_text().splitlines() if line.strip()]
-        last = json.loads(lines[-1]).get("step") if lines else None
+    records = read_records(checkpoint.parent.parent)
+    last = records[-1].get("step") if records else None
     if last != state.step:
         log.info(
             "the interrupted run logged up to step %s, past the checkpoint's %d: this run gets a new W&B run",

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from miles.config import MilesConfig
 from miles.errors import MilesUserError
+from miles.tracking import read_records
 
 
 def run_from_hydra(cfg: DictConfig) -> None:
@@ -55,7 +56,8 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
             raise MilesUserError(
                 f"a process of the run exited with code {code}; its error is printed above (run folder {run_dir})"
             )
-        return _last_metrics(run_dir)
+        records = read_records(run_dir)
+        return records[-1] if records else {}
     dp = distributed.init_data_parallel(config.placement.num_processes, config.model.device)
     finished = False
     try:
@@ -90,12 +92,3 @@ def _remove_if_only_hydra(folder: Path) -> None:
 
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= {".hydra", "run.log"}:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _last_metrics(run_dir: Path) -> dict[str, float]:
-    """The last step's record of a run the launched processes wrote."""
-    import json
-
-    path = run_dir / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    return json.loads(lines[-1]) if lines else {}

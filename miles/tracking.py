@@ -29,6 +29,14 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """A run folder's metrics.jsonl records, in order ([] when it has none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class Tracker:
     def __init__(
         self,
