@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("miles.eval_cli:main", "greedy accuracy of a checkpoint on a held-out set"),
     "serve": ("miles.serve_cli:main", "the rollout engine behind an OpenAI-compatible API (127.0.0.1)"),
     "reward": ("miles.rewards.cli:main", "score a jsonl of samples with any reward function"),
-    "bench": ("", "benchmarks: miles bench rollout|reward|attention|layers|moe ..."),
+    "bench": ("", "benchmarks: miles bench rollout|reward|attention|layers|moe|train ..."),
     "init-model": ("miles.models.init_model:main", "write a random-initialised HF checkpoint + tokenizer"),
     "convert": (
         "miles.models.convert:main",
@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "attention": "miles.rollout.bench_attention:main",
     "layers": "miles.rollout.bench_layers:main",
     "moe": "miles.rollout.bench_moe:main",
+    "train": "miles.trainer.bench_train:main",
 }
 
 

@@ -154,7 +154,7 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     backend: str = "torch"
-    """torch | megatron | deepspeed."""
+    """torch (our model) | megatron (megatron-core layers, trainer/megatron_policy.py); deepspeed is planned."""
     max_steps: int = 100
     """RL steps (rollout + update) to run."""
     lr: float = 1e-5

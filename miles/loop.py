@@ -152,6 +152,8 @@ def resume_run(
     max_steps = cfg.trainer.max_steps
     with torch.no_grad():
         load_state_into(model, iter_hf_tensors(folder))
+    if trainer.model is not model:  # the megatron backend trains a copy of the weights
+        trainer.model.load_from(model)
     trainer.load_state_dict(state.trainer)
     if max_steps != state.max_steps:
         # A longer (or shorter) run: the cosine schedule is re-sized to it from the current position.
@@ -182,6 +184,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     from miles.rollout.multiturn import MultiTurnRollout
     from miles.trainer import TorchTrainer
     from miles.trainer.algorithms import compute_advantages
+    from miles.trainer.backends import build_policy
     from miles.weight_sync import InProcessWeightSync
 
     inputs = prepare_inputs(cfg, dp)
@@ -206,10 +209,11 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         fn = plugins.load(spec, "rollout.generate_fn")
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
         generate = multiturn.generate
+    policy = build_policy(cfg.trainer.backend, model, cfg.trainer.routing_replay, cfg.trainer.precision)
     trainer = TorchTrainer(
-        model, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
+        policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
     )
-    sync = InProcessWeightSync(model, engine)
+    sync = InProcessWeightSync(policy, engine)  # after it, `model` holds the trainer's weights
     rewards = RewardRunner(cfg.reward, engine=engine)
     params = SamplingParams(
         n=cfg.rollout.n_samples_per_prompt,

@@ -26,11 +26,9 @@ def run_from_hydra(cfg: DictConfig) -> None:
 
 def check_supported(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
-    if config.trainer.backend != "torch":
-        raise MilesUserError(
-            f"trainer.backend={config.trainer.backend} is not available yet; use trainer.backend=torch "
-            "(the megatron and deepspeed backends are planned, see the README's feature status)"
-        )
+    from miles.trainer.backends import check_backend
+
+    check_backend(config.trainer.backend)
     if config.placement.mode != "embedded":
         raise MilesUserError(
             f"placement.mode={config.placement.mode} is not available yet; use placement.mode=embedded "

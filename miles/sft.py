@@ -50,6 +50,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     from miles.rewards import RewardRunner
     from miles.rollout import Engine
     from miles.trainer import TorchTrainer
+    from miles.trainer.backends import build_policy, copy_policy_into
 
     if cfg.trainer.resume_from:
         raise MilesUserError(
@@ -69,8 +70,9 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     steps = math.ceil(len(data) * cfg.trainer.sft_epochs / batch)
     if cfg.trainer.max_steps > 0:
         steps = min(steps, cfg.trainer.max_steps)
+    policy = build_policy(cfg.trainer.backend, model, precision=cfg.trainer.precision)
     trainer = TorchTrainer(
-        model, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps, dp=dp
+        policy, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps, dp=dp
     )
     tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, steps) if dp.is_main else None
     rng = random.Random(cfg.data.seed)
@@ -88,7 +90,15 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
             metrics = trainer.sft_step(dp.shard(chunk))
             metrics["time/train"] = metrics["time/step"] = time.perf_counter() - start
             is_last = step == steps
-            if test_prompts and ((cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or is_last):
+            saving = (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
+                is_last and cfg.trainer.save_final
+            )
+            evaluating = test_prompts and (
+                (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or is_last
+            )
+            if saving or evaluating:
+                copy_policy_into(policy, model)
+            if evaluating:
                 if engine is None:
                     engine, rewards = Engine(model, tokenizer, cfg.rollout), RewardRunner(cfg.reward)
                 engine.update_weights([], step)
@@ -99,9 +109,6 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
                 )
                 weight = eval_metrics.get("eval/num_samples", len(prompts))
                 metrics.update(reduce_metrics(dp, eval_metrics, weight))
-            saving = (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
-                is_last and cfg.trainer.save_final
-            )
             if saving and dp.is_main:
                 save_checkpoint(model, tokenizer, run_dir, step, keep_last=cfg.trainer.keep_last)
             if tracker is not None:

@@ -65,7 +65,8 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["model=nope"], "tiny_moe_math"),
         (["trainer.max_steps=abc", "--cfg", "job"], "max_steps"),
         (["nosuchgroup.key=1"], "Valid keys"),
-        (["trainer.backend=megatron", "logging.wandb=false"], "trainer.backend=torch"),
+        (["trainer.backend=deepspeed", "logging.wandb=false"], "trainer.backend=torch or megatron"),
+        (["trainer.backend=megatron", "trainer.precision=bf16", "model.device=cpu"], "precision=fp32 on CPU"),
         (["placement.mode=ray", "logging.wandb=false"], "placement.mode=embedded"),
     ],
 )

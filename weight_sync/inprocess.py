@@ -1,7 +1,9 @@
 """Trainer -> engine weight sync inside one process (the embedded placement).
 
 When the engine runs the trainer's own module (same dtype and device) nothing is copied: the sync only
-bumps the version and flushes the engine's prefix cache. Otherwise tensors are copied (and cast) in buckets.
+bumps the version and flushes the engine's prefix cache. Otherwise tensors are copied (and cast) in buckets:
+the trainer's parameters, or with another model definition (the megatron backend) its `engine_weights()`,
+its weights converted to the engine model's names and layouts.
 A checksum of both sides proves they agree after every sync.
 """
 
@@ -67,9 +69,15 @@ class InProcessWeightSync:
     def shares_weights(self) -> bool:
         return self.engine.model is self.trainer_model
 
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        export = getattr(self.trainer_model, "engine_weights", None)
+        if export is not None:
+            return export()
+        return [(n, p.detach()) for n, p in self.trainer_model.named_parameters()]
+
     def sync(self, version: int) -> SyncResult:
         start = time.perf_counter()
-        named = [(n, p.detach()) for n, p in self.trainer_model.named_parameters()]
+        named = self._named()
         if self.shares_weights:
             moved = 0
             self.engine.update_weights([], version)

@@ -1,0 +1,285 @@
+"""`trainer.backend=megatron`: megatron-core's GPTModel as the trained policy, on CPU (float32).
+
+References nobody here wrote: transformers' Qwen3 / Qwen3-MoE / Llama logits, and megatron-core's own
+q/k/v split. The trainer's update on the megatron policy must equal the torch backend's on our model, and
+the RL loop must run, resume and go data-parallel with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from dp_helpers import make_trainer, scored_samples, tiny_moe
+from test_loop import run_miles
+from test_models_parity import CASES, random_ids, randomize_, relative_error
+
+from miles.errors import MilesUserError
+from miles.models import ModelArgs, VarlenAttention, from_pretrained
+from miles.models.checkpoint import iter_hf_tensors
+from miles.trainer.backends import build_policy, check_backend, copy_policy_into
+from miles.trainer.megatron_layout import from_megatron, qkv_from_megatron, qkv_to_megatron, to_megatron
+from miles.trainer.megatron_policy import MegatronPolicy
+
+SUPPORTED = [
+    "qwen3_hd20_gqa3_untied",
+    "qwen3_hd12_mqa_tied",
+    "qwen3_moe_step2_mlponly_unnormed",
+    "qwen3_moe_normed_tied",
+    "llama_mha_tied_linear",
+]
+
+
+def _hf_case(name: str) -> tuple:
+    cls, config = CASES[name]
+    torch.manual_seed(0)
+    hf = cls(config).eval()
+    randomize_(hf, seed=1)
+    folder = tempfile.mkdtemp(prefix=f"miles-{name}-")
+    hf.save_pretrained(folder)
+    return hf, from_pretrained(folder, dtype="float32").eval()
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+@torch.no_grad()
+def test_megatron_logits_match_transformers(name: str) -> None:
+    """Our weights through megatron's layers (packed: two sequences in one forward) give transformers'
+    logits, and the weights converted back are ours bit for bit."""
+    hf, ours = _hf_case(name)
+    policy = MegatronPolicy.from_model(ours)
+    ids = random_ids(hf.config.vocab_size, batch=2, length=40, seed=2)
+    expected = hf(ids).logits
+    positions = torch.arange(40).repeat(2)
+    hidden = policy.forward_packed(ids.reshape(-1), positions, VarlenAttention([0, 40, 80])).hidden
+    logits = (hidden @ policy.lm_head.weight.T).view(2, 40, -1)
+    assert relative_error(logits, expected) <= 1e-5, name
+    back = dict(policy.engine_weights())
+    own = dict(ours.named_parameters())
+    assert back.keys() == own.keys() - ({"lm_head.weight"} if ours.args.tie_word_embeddings else set())
+    assert all(torch.equal(back[k], own[k]) for k in back)
+
+
+def test_qkv_layout_is_megatrons_per_group_split() -> None:
+    """Rows labelled by (part, head, dim) land where megatron's `get_query_key_value_tensors` reads them:
+    a [groups, (q per group + 2) * d] view split into q, k, v per group."""
+    args = ModelArgs(
+        model_type="qwen3", hidden_size=8, num_attention_heads=6, num_key_value_heads=2, head_dim=3
+    )
+    heads, groups, d = 6, 2, 3
+    labels = [("q", h, i) for h in range(heads) for i in range(d)]
+    labels += [("k", g, i) for g in range(groups) for i in range(d)]
+    labels += [("v", g, i) for g in range(groups) for i in range(d)]
+    qkv = torch.arange(len(labels), dtype=torch.float32)[:, None].repeat(1, 8)
+    megatron = qkv_to_megatron(qkv, args)
+    per_group = megatron[:, 0].long().view(groups, (heads // groups + 2) * d)
+    for g in range(groups):
+        q, k, v = per_group[g].split([heads // groups * d, d, d])
+        assert [labels[i] for i in q.tolist()] == [
+            ("q", h, i) for h in (3 * g, 3 * g + 1, 3 * g + 2) for i in range(d)
+        ]
+        assert [labels[i] for i in k.tolist()] == [("k", g, i) for i in range(d)]
+        assert [labels[i] for i in v.tolist()] == [("v", g, i) for i in range(d)]
+    assert torch.equal(qkv_from_megatron(megatron, args), qkv)
+
+
+def test_every_parameter_maps_and_unknown_names_fail() -> None:
+    model = tiny_moe()
+    named = list(model.named_parameters())
+    converted = list(to_megatron(named, model.args))
+    assert len({n for n, _ in converted}) == len(converted)
+    back = dict(from_megatron(converted, model.args))
+    assert back.keys() == dict(named).keys()
+    assert all(torch.equal(back[n], p) for n, p in named)
+    with pytest.raises(KeyError, match="no megatron name"):
+        list(to_megatron([("model.layers.0.mlp.new_proj.weight", torch.zeros(1))], model.args))
+    with pytest.raises(KeyError, match="experts"):
+        list(from_megatron([(n, t) for n, t in converted if "local_experts.3." not in n], model.args))
+
+
+def test_unsupported_settings_fail_at_start_with_what_to_do() -> None:
+    _, biased = _hf_case("llama_rope_llama3_bias")
+    with pytest.raises(MilesUserError, match="biases.*trainer.backend=torch"):
+        MegatronPolicy.from_model(biased)
+    _, yarn = _hf_case("qwen3_rope_yarn")
+    with pytest.raises(MilesUserError, match="YaRN"):
+        MegatronPolicy.from_model(yarn)
+    with pytest.raises(MilesUserError, match="routing_replay"):
+        build_policy("megatron", tiny_moe(), routing_replay=True)
+    with pytest.raises(MilesUserError, match="deepspeed is not available"):
+        check_backend("deepspeed")
+    with pytest.raises(MilesUserError, match="unknown trainer.backend"):
+        check_backend("jax")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"global_batch_size": 12, "loss_agg": "token_mean"},  # on-policy: one optimizer step
+        {"global_batch_size": 6, "loss_agg": "seq_mean_token_mean", "epochs": 2, "tis": True},
+    ],
+    ids=["one_step", "two_steps_two_epochs_tis"],
+)
+def test_megatron_update_equals_the_torch_backends(case: dict) -> None:
+    """The same trainer on megatron's modules and on ours: same metrics, same weights after the update."""
+    samples = scored_samples(12)
+    ours = tiny_moe()
+    policy = MegatronPolicy.from_model(copy.deepcopy(ours))
+    torch_metrics = make_trainer(ours, case, dp=_single()).train_step(copy.deepcopy(samples))
+    megatron_trainer = make_trainer(policy, case, dp=_single())
+    megatron_metrics = megatron_trainer.train_step(copy.deepcopy(samples))
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "train/clipfrac"):
+        assert megatron_metrics[key] == pytest.approx(torch_metrics[key], rel=1e-4, abs=1e-6), key
+    trained = dict(ours.named_parameters())
+    # AdamW's first steps move every weight by ~lr whatever the gradient's size, so float rounding in
+    # small gradients shows up more after several steps
+    tolerance = 1e-5 if case["global_batch_size"] == 12 else 5e-4
+    for name, tensor in policy.engine_weights():
+        assert relative_error(tensor, trained[name]) <= tolerance, name
+    # The optimizer state is keyed by megatron's names and loads back (resume).
+    state = megatron_trainer.state_dict()
+    assert any(".linear_qkv." in key for key in state["tensors"])
+    fresh = make_trainer(MegatronPolicy.from_model(tiny_moe()), case, dp=_single())
+    fresh.load_state_dict(state)
+    assert fresh.optimizer_steps_done == megatron_trainer.optimizer_steps_done
+
+
+def test_bf16_autocast_on_cpu_is_refused_with_what_to_do() -> None:
+    with pytest.raises(MilesUserError, match="precision=fp32 on CPU"):
+        build_policy("megatron", tiny_moe(), precision="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_autocast_trains_close_to_fp32_on_cuda() -> None:
+    case = {"global_batch_size": 12, "loss_agg": "token_mean"}
+    samples = scored_samples(12)
+    fp32 = make_trainer(MegatronPolicy.from_model(tiny_moe().cuda()), case, dp=_single())
+    bf16 = make_trainer(MegatronPolicy.from_model(tiny_moe().cuda()), case, dp=_single())
+    bf16.cfg.precision = "bf16"
+    a, b = fp32.train_step(copy.deepcopy(samples)), bf16.train_step(copy.deepcopy(samples))
+    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=0.05)
+    assert b["train/entropy"] == pytest.approx(a["train/entropy"], rel=0.02)
+
+
+def test_copy_policy_into_the_engines_model() -> None:
+    model = tiny_moe()
+    policy = build_policy("megatron", model)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5)
+    copy_policy_into(policy, model)
+    for name, tensor in policy.engine_weights():
+        assert torch.equal(dict(model.named_parameters())[name], tensor)
+    assert build_policy("torch", model) is model
+
+
+def _single():
+    from miles.distributed import SINGLE
+
+    return SINGLE
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+COMMON = [
+    "recipe=grpo_math",
+    "trainer.max_steps=2",
+    "trainer.save_every=1",
+    "trainer.eval_every=0",
+    "rollout.rollout_batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "trainer.global_batch_size=8",
+    "rollout.deterministic=true",
+    "model.device=cpu",  # bit-for-bit comparisons (the GPU form of the run is the `gpu` test below)
+]
+
+
+@pytest.mark.slow
+def test_grpo_math_with_megatron_trains_resumes_and_runs_data_parallel(tmp_path: Path) -> None:
+    """The main job on the megatron backend: it follows the torch backend's run, the engine's logprobs
+    agree with megatron's, the checkpoint holds the synced weights, a resume repeats step 2, and two
+    data-parallel processes give one process's result with identical replicas."""
+    runs = tmp_path / "outputs"
+    out = run_miles(tmp_path, *COMMON, "trainer.backend=megatron", run_dir=runs / "megatron")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_miles(tmp_path, *COMMON, "trainer.backend=torch", run_dir=runs / "torch")
+    assert out.returncode == 0, out.stderr[-3000:]
+    megatron, torch_run = _records(runs / "megatron"), _records(runs / "torch")
+    assert [r["step"] for r in megatron] == [1, 2]
+    for mine, theirs in zip(megatron, torch_run, strict=True):
+        assert mine["sync/checksum_ok"] == 1.0
+        assert mine["mismatch/logprob_abs_diff_max"] < 1e-4  # engine (our model) vs trainer (megatron)
+        assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-3, abs=1e-6)
+        assert mine["train/grad_norm"] == pytest.approx(theirs["train/grad_norm"], rel=1e-3)
+    assert megatron[0]["reward/mean"] == torch_run[0]["reward/mean"]  # the same first rollout
+
+    step1 = runs / "megatron" / "checkpoints" / "step_000001"
+    out = run_miles(
+        tmp_path,
+        *COMMON,
+        "trainer.backend=megatron",
+        f"trainer.resume_from={step1}",
+        run_dir=runs / "resumed",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = _records(runs / "resumed")
+    for key in ("reward/mean", "train/loss", "train/grad_norm", "train/lr"):
+        assert resumed[-1][key] == megatron[-1][key], key
+    final = dict(iter_hf_tensors(runs / "megatron" / "checkpoints" / "step_000002"))
+    again = dict(iter_hf_tensors(runs / "resumed" / "checkpoints" / "step_000002"))
+    assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
+
+    out = run_miles(
+        tmp_path, *COMMON, "trainer.backend=megatron", "placement.num_processes=2", run_dir=runs / "dp"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for mine, theirs in zip(_records(runs / "dp"), megatron, strict=True):
+        assert mine["sync/replicas_equal"] == 1.0
+        assert mine["reward/mean"] == theirs["reward/mean"]
+        assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_sft_with_megatron_saves_the_trained_weights(tmp_path: Path) -> None:
+    out = run_miles(
+        tmp_path,
+        "recipe=sft_math",
+        "trainer.backend=megatron",
+        "trainer.max_steps=2",
+        "data.train_size=32",
+        "data.test_size=4",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = _records(tmp_path / "run")
+    assert records[-1]["step"] == 2 and "eval/accuracy" in records[-1]
+    start = dict(iter_hf_tensors(Path(__file__).parents[1] / "miles" / "assets" / "tiny_moe_math"))
+    saved = dict(iter_hf_tensors(tmp_path / "run" / "checkpoints" / "step_000002"))
+    assert saved.keys() == start.keys()
+    unchanged = [k for k in saved if torch.equal(saved[k], start[k])]
+    assert len(unchanged) < len(saved) // 4, f"the megatron policy was not copied back: {unchanged[:5]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grpo_math_with_megatron_on_cuda_in_bf16(tmp_path: Path) -> None:
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        "trainer.backend=megatron",
+        "trainer.precision=bf16",
+        "model.device=cuda",
+        "trainer.max_steps=3",
+        "trainer.eval_every=0",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for record in _records(tmp_path / "run"):
+        assert record["sync/checksum_ok"] == 1.0
+        # bf16 autocast in the trainer against the engine's float32 forward
+        assert record["mismatch/logprob_abs_diff_mean"] < 0.05, record
+        assert record["train/grad_norm"] > 0

@@ -1,0 +1,58 @@
+"""`trainer.backend`: which model definition the trainer updates.
+
+`torch` trains the engine's own `CausalLM` (in the embedded placement both are the same module, so a weight
+sync copies nothing). `megatron` trains a megatron-core copy of it (`MegatronPolicy`), whose weights the sync
+converts into the engine's model after every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles.errors import MilesUserError
+from miles.models import CausalLM
+
+BACKENDS = ("torch", "megatron")
+
+
+def check_backend(backend: str) -> None:
+    if backend == "deepspeed":
+        raise MilesUserError(
+            "trainer.backend=deepspeed is not available yet; use trainer.backend=torch or megatron "
+            "(see the README's feature status)"
+        )
+    if backend not in BACKENDS:
+        raise MilesUserError(f"unknown trainer.backend={backend!r}; use one of {', '.join(BACKENDS)}")
+
+
+def build_policy(
+    backend: str, model: CausalLM, routing_replay: bool = False, precision: str = "fp32"
+) -> nn.Module:
+    """The module the trainer updates, starting from `model`'s weights."""
+    check_backend(backend)
+    if backend == "torch":
+        return model
+    if precision == "bf16" and model.device.type != "cuda":
+        raise MilesUserError(
+            "trainer.precision=bf16 with trainer.backend=megatron needs CUDA (megatron-core's linear layers "
+            "carry autocast into their backward on CUDA only); use trainer.precision=fp32 on CPU"
+        )
+    if routing_replay:
+        raise MilesUserError(
+            "trainer.routing_replay is not available with trainer.backend=megatron (megatron's router picks "
+            "the experts itself); use trainer.backend=torch for routing replay"
+        )
+    from miles.trainer.megatron_policy import MegatronPolicy
+
+    return MegatronPolicy.from_model(model)
+
+
+def copy_policy_into(policy: nn.Module, model: CausalLM) -> None:
+    """Make `model` hold the trainer's current weights (nothing to do when the trainer trains `model`)."""
+    if policy is model:
+        return
+    from miles.models.checkpoint import load_state_into
+
+    with torch.no_grad():
+        load_state_into(model, policy.engine_weights())  # type: ignore[operator]

@@ -1,0 +1,162 @@
+"""`miles bench train`: one RL update (`TorchTrainer.train_step`) on random weights, per trainer backend.
+
+A preset (or a checkpoint folder) is built in place; `--samples` sequences of `--prompt-len` + `--response-len`
+random tokens with random advantages are trained on, `--steps` times after one warm-up step, with each
+backend in turn on the same weights and samples. Reported per backend: seconds per update, trained tokens/s,
+model FLOP utilisation (`train/mfu`, trainer/mfu.py: forward FLOPs x 3 for the backward, over the device's
+bf16 peak), peak
+device memory (the bench's own copy of the starting weights included) (the bench's own copy of the starting weights included), and the first update's loss and gradient norm (the backends must agree on those).
+`--layers N` keeps only the first N layers of the preset (a 30B-A3B shape in a fraction of its memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from miles.config import AlgorithmConfig, TrainerConfig
+from miles.models import CausalLM
+from miles.models.presets import PRESETS, build_random_model, preset_args
+from miles.sample import Sample
+from miles.trainer.backends import BACKENDS, build_policy
+from miles.trainer.torch_trainer import TorchTrainer
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="miles bench train", description=__doc__)
+    p.add_argument(
+        "--model", default="qwen3-0.6b", help=f"a preset ({', '.join(PRESETS)}) or a checkpoint folder"
+    )
+    p.add_argument("--arch", default=None, help="with --model tiny: qwen3 | qwen3_moe | llama")
+    p.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
+    p.add_argument("--backend", default="torch,megatron", help="comma-separated: torch, megatron")
+    p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--precision", default="bf16", help="fp32 | bf16 (autocast over float32 weights)")
+    p.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up update")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build_model(a: argparse.Namespace, device: torch.device) -> CausalLM:
+    if a.model in PRESETS:
+        args = preset_args(a.arch, a.model)
+        if a.layers:
+            args = replace(args, num_hidden_layers=min(a.layers, args.num_hidden_layers))
+        return build_random_model(args, "float32", device, seed=a.seed)
+    from miles.models import from_pretrained
+
+    return from_pretrained(a.model, dtype="float32").to(device)
+
+
+def random_samples(a: argparse.Namespace, vocab: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(a.seed + 1)
+    return [
+        Sample(
+            prompt_ids=torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist(),
+            response_ids=torch.randint(0, vocab, (a.response_len,), generator=g).tolist(),
+            rollout_logprobs=(-3 * torch.rand(a.response_len, generator=g)).tolist(),
+            advantage=float(torch.randn((), generator=g)),
+            group_id=i // 8,
+            index=i % 8,
+        )
+        for i in range(a.samples)
+    ]
+
+
+def bench_backend(
+    backend: str, model: CausalLM, samples: list[Sample], a: argparse.Namespace
+) -> dict[str, Any]:
+    cfg = TrainerConfig(
+        backend=backend,
+        global_batch_size=len(samples),
+        micro_batch_tokens=a.micro_batch_tokens,
+        precision=a.precision,
+        lr=1e-6,
+    )
+    policy = build_policy(backend, model, precision=a.precision)
+    trainer = TorchTrainer(policy, cfg, AlgorithmConfig(), temperature=1.0, total_optimizer_steps=a.steps + 1)
+    on_cuda = model.device.type == "cuda"
+    first = trainer.train_step(copy.deepcopy(samples))  # warm-up (allocations, kernel selection)
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, mfu = [], []
+    for _ in range(a.steps):
+        start = time.perf_counter()
+        metrics = trainer.train_step(copy.deepcopy(samples))
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        mfu.append(metrics.get("train/mfu"))
+    seconds = sorted(times)[len(times) // 2]
+    tokens = metrics["train/tokens"]
+    result = {
+        "backend": backend,
+        "seconds_per_update": seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": None if None in mfu else sorted(mfu)[len(mfu) // 2],  # None: unknown device peak (CPU)
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
+        "first_loss": first["train/loss"],
+        "first_grad_norm": first["train/grad_norm"],
+    }
+    del trainer, policy
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    backends = [b for b in a.backend.split(",") if b]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise SystemExit(f"unknown --backend {unknown}; use {', '.join(BACKENDS)}")
+    if a.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(a.device)
+    model = build_model(a, device)
+    samples = random_samples(a, model.args.vocab_size)
+    params = sum(p.numel() for p in model.parameters())
+    results = []
+    for backend in backends:
+        # every backend starts from the same weights: the torch backend trains `model` itself
+        results.append(
+            bench_backend(backend, copy.deepcopy(model) if backend == "torch" else model, samples, a)
+        )
+    report = {
+        "model": a.model,
+        "layers": model.args.num_hidden_layers,
+        "parameters": params,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "precision": a.precision,
+        "samples": a.samples,
+        "tokens_per_sample": a.prompt_len + a.response_len,
+        "results": results,
+    }
+    print(json.dumps(report))
+    print(
+        f"\n{a.model} ({params / 1e9:.2f} B parameters, {model.args.num_hidden_layers} layers), {a.precision}"
+    )
+    print("| backend | s / update | tokens/s | MFU | peak memory | first loss | first grad norm |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        memory = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r["peak_memory_bytes"] else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        print(
+            f"| {r['backend']} | {r['seconds_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+            f"{memory} | {r['first_loss']:.6f} | {r['first_grad_norm']:.6f} |"
+        )
+    return 0

@@ -1,0 +1,137 @@
+"""Parameter names and layouts between `CausalLM` (the engine's model) and a megatron-core `GPTModel`.
+
+Plain tensor arithmetic, no megatron import. Megatron's differences from our model's own names:
+  * `linear_qkv` interleaves q, k and v per query group ([q heads of group g; k_g; v_g] for each g), where
+    `qkv_proj` stacks all q rows, then all k rows, then all v rows;
+  * the MoE experts are separate modules (`local_experts.E.linear_fc1`), ours one stacked tensor [E, ...];
+  * norms and projections are named after their place (`pre_mlp_layernorm`, `linear_proj`, ...).
+Dense `linear_fc1` is [gate; up] like our `gate_up_proj`, so it maps unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from miles.models import ModelArgs
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+# Inside a layer: ours -> megatron's, for the tensors that map one to one.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.gate_up_proj.weight": "mlp.linear_fc1.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+}
+_LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+_TOP_NAMES_BACK = {v: k for k, v in _TOP_NAMES.items()}
+_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "linear_fc1", "mlp.experts.down_proj": "linear_fc2"}
+_STACKED_EXPERTS_BACK = {v: k for k, v in _STACKED_EXPERTS.items()}
+
+
+def _qkv_groups(args: ModelArgs) -> tuple[int, int, int]:
+    """(query groups, q heads per group, head dim)."""
+    groups = args.num_key_value_heads
+    return groups, args.num_attention_heads // groups, int(args.head_dim)  # type: ignore[arg-type]
+
+
+def qkv_to_megatron(qkv: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """[q rows; k rows; v rows] -> per query group [q_g; k_g; v_g] (rows; columns untouched)."""
+    groups, per_group, dim = _qkv_groups(args)
+    q_rows = groups * per_group * dim
+    kv_rows = groups * dim
+    q, k, v = qkv.split([q_rows, kv_rows, kv_rows], dim=0)
+    rest = qkv.shape[1:]
+    stacked = torch.cat(
+        [
+            q.reshape(groups, per_group * dim, *rest),
+            k.reshape(groups, dim, *rest),
+            v.reshape(groups, dim, *rest),
+        ],
+        dim=1,
+    )
+    return stacked.reshape(qkv.shape)
+
+
+def qkv_from_megatron(qkv: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The inverse of `qkv_to_megatron`."""
+    groups, per_group, dim = _qkv_groups(args)
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, (per_group + 2) * dim, *rest).split([per_group * dim, dim, dim], dim=1)
+    return torch.cat([q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)], dim=0)
+
+
+def to_megatron(
+    named: Iterable[tuple[str, torch.Tensor]], args: ModelArgs
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our model's parameters (its own names) -> megatron's names and layouts.
+
+    A tied lm_head is skipped (megatron shares the embedding); anything unknown is an error, so a model
+    change that this table misses fails loudly instead of training with a tensor left at its init.
+    """
+    for name, tensor in named:
+        if name in _TOP_NAMES:
+            if name == "lm_head.weight" and args.tie_word_embeddings:
+                continue
+            yield _TOP_NAMES[name], tensor
+            continue
+        match = _LAYER.match(name)
+        if match is None:
+            raise KeyError(f"no megatron name for parameter {name!r}")
+        layer, inner = match.groups()
+        prefix = f"decoder.layers.{layer}."
+        if inner == "self_attn.qkv_proj.weight":
+            yield prefix + "self_attention.linear_qkv.weight", qkv_to_megatron(tensor, args)
+        elif inner in _LAYER_NAMES:
+            yield prefix + _LAYER_NAMES[inner], tensor
+        elif inner in _STACKED_EXPERTS:
+            fc = _STACKED_EXPERTS[inner]
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}mlp.experts.local_experts.{expert}.{fc}.weight", tensor[expert]
+        else:
+            raise KeyError(f"no megatron name for parameter {name!r}")
+
+
+def from_megatron(
+    named: Iterable[tuple[str, torch.Tensor]], args: ModelArgs
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Megatron's parameters -> our model's names and layouts (experts stacked again; a tied model gets no
+    separate lm_head, ours shares the embedding too)."""
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in named:
+        if name in _TOP_NAMES_BACK:
+            yield _TOP_NAMES_BACK[name], tensor
+            continue
+        match = _MEGATRON_LAYER.match(name)
+        if match is None:
+            raise KeyError(f"no model name for megatron parameter {name!r}")
+        layer, inner = match.groups()
+        prefix = f"model.layers.{layer}."
+        expert = _EXPERT.match(inner)
+        if inner == "self_attention.linear_qkv.weight":
+            yield prefix + "self_attn.qkv_proj.weight", qkv_from_megatron(tensor, args)
+        elif inner in _LAYER_NAMES_BACK:
+            yield prefix + _LAYER_NAMES_BACK[inner], tensor
+        elif expert is not None:
+            experts.setdefault((prefix, expert.group(2)), {})[int(expert.group(1))] = tensor
+        else:
+            raise KeyError(f"no model name for megatron parameter {name!r}")
+    for (prefix, fc), by_index in experts.items():
+        if sorted(by_index) != list(range(args.num_experts)):
+            raise KeyError(f"{prefix}mlp: megatron experts {sorted(by_index)} of {args.num_experts}")
+        stacked = torch.stack([by_index[e] for e in range(args.num_experts)])
+        yield prefix + _STACKED_EXPERTS_BACK[fc], stacked

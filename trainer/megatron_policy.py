@@ -1,0 +1,317 @@
+"""`MegatronPolicy`: a megatron-core `GPTModel` behind the trainer's model interface (`trainer.backend=megatron`).
+
+The policy is built from megatron-core's own layers (its local spec: ColumnParallel/RowParallel linears,
+RMSNorm, q/k layernorm, TopKRouter and the MoE token dispatcher, SequentialMLP experts), so the trainer
+updates megatron's modules and its optimizer state is keyed by megatron's names. Three pieces are ours:
+
+  * the core attention: megatron's unfused `DotProductAttention` has no packed-sequence path without
+    Transformer Engine, so each layer hands q/k/v to the same varlen attention the torch backend uses (the
+    per-layer attention kernel is a spec slot megatron exposes for exactly this);
+  * RoPE angles: computed per token from the packed positions with our model's frequencies (Llama-3
+    scaling included), then applied by megatron's `apply_rotary_pos_emb`;
+  * the routers' gating (logits in float32 with autocast off, on the weight's own device).
+
+`TorchTrainer` drives it unchanged (`forward_packed`, `lm_head`, `args`, `device`, `dtype`); the engine keeps
+its own `CausalLM`, which the weight sync fills from `engine_weights()` (megatron's layout converted, see
+megatron_layout.py), with the checksum proving both sides agree after every step.
+
+The same code runs on CPU (CI, debugging) and CUDA: megatron-core's CUDA-only paths (its causal mask, RoPE
+table and router gating, which moves the router weight to the current GPU) are the three replaced. Tensor, pipeline and expert parallelism are not wired yet (one model replica per process;
+data parallelism over processes works as for the torch backend).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from miles.errors import MilesUserError
+from miles.models import CausalLM, ModelArgs, RoutingTrace
+from miles.models.attention import AttentionContext
+from miles.models.layers import RotaryEmbedding
+from miles.models.model import ForwardOutput
+from miles.trainer.megatron_layout import from_megatron, to_megatron
+
+# megatron-core warns at import about optional packages (apex, Transformer Engine) and deprecations that
+# concern its own training scripts, not this use; a missing import still raises.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:  # megatron-core is optional: the torch backend needs none of it
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.module import MegatronModule
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        MEGATRON_IMPORT_ERROR: Exception | None = None
+    except ImportError as err:  # pragma: no cover - exercised where megatron-core is absent
+        MEGATRON_IMPORT_ERROR = err
+        MegatronModule = nn.Module  # type: ignore[misc,assignment]
+
+
+def require_megatron() -> None:
+    if MEGATRON_IMPORT_ERROR is not None:
+        raise MilesUserError(
+            f"trainer.backend=megatron needs megatron-core ({MEGATRON_IMPORT_ERROR}); install it with "
+            "pip install 'megatron-core>=0.16' (or use trainer.backend=torch)"
+        )
+
+
+def check_megatron_supports(args: ModelArgs) -> None:
+    """What this backend's megatron mapping covers; anything else fails at start with what to do."""
+    if args.attention_bias or args.mlp_bias:
+        raise MilesUserError(
+            "trainer.backend=megatron maps models without linear biases (Qwen3, Qwen3-MoE, Llama); this model "
+            "has attention_bias or mlp_bias set: use trainer.backend=torch"
+        )
+    if RotaryEmbedding(args).attention_factor != 1.0:
+        raise MilesUserError(
+            "trainer.backend=megatron does not apply YaRN's attention scaling; use trainer.backend=torch"
+        )
+
+
+def ensure_process_groups(device: torch.device) -> None:
+    """megatron-core needs torch.distributed and its model-parallel groups, even in one process.
+
+    A data-parallel run (miles/distributed.py) has its process group already; one process gets a world of
+    one over a file store (no port to pick). Tensor/pipeline/expert sizes are 1: every rank is one replica.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store_file = os.path.join(tempfile.mkdtemp(prefix="miles-megatron-"), "store")
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            store=dist.FileStore(store_file, 1),
+            rank=0,
+            world_size=1,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
+        )
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        if not get_cuda_rng_tracker().is_initialized():
+            model_parallel_cuda_manual_seed(torch.initial_seed() % (2**31))
+
+
+class PackedState:
+    """The attention context of the forward in progress, shared by every layer's core attention."""
+
+    def __init__(self) -> None:
+        self.attention: AttentionContext | None = None
+
+
+class PackedCoreAttention(MegatronModule):
+    """Megatron's core-attention slot filled with the trainer's varlen attention over packed sequences.
+
+    q [s, 1, heads, d] and k/v [s, 1, groups, d] arrive after q/k layernorm and RoPE; the output is
+    [s, 1, heads * d], as megatron's `DotProductAttention` returns.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any = None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        packing: PackedState | None = None,
+        **_: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if packing is None:
+            raise ValueError("PackedCoreAttention needs the policy's PackedState")
+        self.packing = packing
+        self.layer_index = layer_number - 1  # megatron counts layers from 1
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        attention = self.packing.attention
+        if attention is None or query.shape[1] != 1:
+            raise RuntimeError("PackedCoreAttention runs inside MegatronPolicy.forward_packed only")
+        out = attention.attend(self.layer_index, query[:, 0], key[:, 0], value[:, 0], self.scale)
+        return out.reshape(query.shape[0], 1, -1)
+
+
+def transformer_config(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> TransformerConfig:
+    moe: dict[str, Any] = {}
+    if args.num_experts:
+        moe = dict(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.num_experts_per_tok,
+            moe_ffn_hidden_size=args.moe_intermediate_size,
+            moe_router_score_function="softmax",
+            # Qwen3-MoE's softmax over all experts then top-k renormalised (norm_topk_prob) is a softmax
+            # over the top-k logits: megatron's post-softmax; without renormalisation it is pre-softmax.
+            moe_router_pre_softmax=not args.norm_topk_prob,
+            moe_router_load_balancing_type="none",  # the torch backend has no auxiliary loss either
+            # router logits in float32 (as megatron recommends for MoE); its gating function also has no
+            # autocast handling, so under bf16 autocast its backward would mix dtypes otherwise
+            moe_router_dtype="fp32",
+            moe_aux_loss_coeff=0.0,
+            # alltoall creates CUDA streams when it is built; with one expert rank both only permute
+            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_grouped_gemm=False,
+        )
+    return TransformerConfig(
+        num_layers=args.num_hidden_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_key_value_heads,
+        kv_channels=args.head_dim,
+        ffn_hidden_size=args.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        qk_layernorm=args.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # the weights are copied in from the model right after
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **moe,
+    )
+
+
+def _layer_specs(args: ModelArgs, packing: PackedState) -> TransformerBlockSubmodules:
+    attention = ModuleSpec(module=PackedCoreAttention, params={"packing": packing})
+    specs = []
+    for layer in range(args.num_hidden_layers):
+        spec = get_gpt_layer_local_spec(
+            num_experts=args.num_experts if args.is_moe_layer(layer) else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=args.qk_norm,
+            normalization="RMSNorm",
+        )
+        spec.submodules.self_attention.submodules.core_attention = attention
+        specs.append(spec)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl)
+
+
+def _float32_gating(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A router's logits in float32 with autocast off. megatron's own gating is an autograd function without
+    autocast handling (under bf16 autocast its backward mixes bf16 and float32), and it first moves the
+    router weight to `torch.cuda.current_device()`, which fails for a CPU model."""
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        bias = None if router.bias is None else router.bias.float()
+        return nn.functional.linear(hidden.float(), router.weight.float(), bias)
+
+
+class MegatronPolicy(nn.Module):
+    """A megatron-core GPTModel with the interface `TorchTrainer` and `packed_logprobs` use."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        require_megatron()
+        check_megatron_supports(args)
+        ensure_process_groups(device)
+        self.args = args
+        self._packing = PackedState()
+        with warnings.catch_warnings():  # per-layer deprecation notes about megatron's own argument defaults
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.gpt = GPTModel(
+                config=transformer_config(args, dtype, device),
+                transformer_layer_spec=_layer_specs(args, self._packing),
+                vocab_size=args.vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                position_embedding_type="rope",
+                rotary_base=int(args.rope_theta),
+                share_embeddings_and_output_weights=args.tie_word_embeddings,
+            )
+        for module in self.gpt.modules():
+            if hasattr(module, "gating") and hasattr(module, "routing"):  # megatron's MoE routers
+                module.gating = types.MethodType(_float32_gating, module)
+        self.rotary = RotaryEmbedding(args)
+        self.to(device)
+
+    @classmethod
+    def from_model(cls, model: CausalLM) -> MegatronPolicy:
+        """A megatron copy of `model`'s weights, on its device and in its dtype."""
+        policy = cls(model.args, model.dtype, model.device)
+        policy.load_from(model)
+        return policy
+
+    @torch.no_grad()
+    def load_from(self, model: CausalLM) -> None:
+        """Copy every weight of `model` in (each megatron parameter must be written exactly once)."""
+        own = dict(self.gpt.named_parameters())
+        written: set[str] = set()
+        for name, tensor in to_megatron(model.named_parameters(), self.args):
+            if name not in own or own[name].shape != tensor.shape:
+                raise KeyError(
+                    f"megatron has no parameter {name!r} of shape {tuple(tensor.shape)}"
+                    f"{'' if name not in own else f' (it has {tuple(own[name].shape)})'}"
+                )
+            own[name].copy_(tensor)
+            written.add(name)
+        if written != set(own):
+            raise KeyError(f"megatron parameters left unwritten: {sorted(set(own) - written)[:8]}")
+
+    def engine_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights in the engine model's names and layouts (detached; experts stacked into copies)."""
+        named = ((n, p.detach()) for n, p in self.gpt.named_parameters())
+        return list(from_megatron(named, self.args))
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """The module whose `.weight` is the output projection (the embedding when tied)."""
+        if self.args.tie_word_embeddings:
+            return self.gpt.embedding.word_embeddings
+        return self.gpt.output_layer
+
+    @property
+    def device(self) -> torch.device:
+        return self.gpt.embedding.word_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gpt.embedding.word_embeddings.weight.dtype
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        routing: RoutingTrace | None = None,
+    ) -> ForwardOutput:
+        """N tokens of packed sequences ([N] ids and positions) -> final-norm hidden states [N, hidden]."""
+        if routing is not None:
+            raise MilesUserError("trainer.routing_replay is not available with trainer.backend=megatron")
+        self._packing.attention = attn
+        inv_freq = self.rotary.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        rotary = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # megatron's [s, 1, 1, d] angles
+        hidden = self.gpt.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [N, 1, H]
+        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
+        return ForwardOutput(hidden=hidden[:, 0])
