@@ -157,6 +157,6 @@ def main(argv: list[str]) -> int:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(
             f"| {r['backend']} | {r['seconds_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-            f"{memory} | {r['first_loss']:.6f} | {r['first_grad_norm']:.6f} |"
+            f"{memory} | {r['first_loss']:.6e} | {r['first_grad_norm']:.6e} |"
         )
     return 0

@@ -49,7 +49,8 @@ with warnings.catch_warnings():
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.transformer.module import MegatronModule
         from megatron.core.transformer.spec_utils import ModuleSpec
-        from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         MEGATRON_IMPORT_ERROR: Exception | None = None
@@ -95,6 +96,10 @@ def ensure_process_groups(device: torch.device) -> None:
             rank=0,
             world_size=1,
         )
+    if parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_data_parallel_world_size() != dist.get_world_size()
+    ):
+        parallel_state.destroy_model_parallel()  # groups of an earlier process group in this process
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
@@ -103,7 +108,10 @@ def ensure_process_groups(device: torch.device) -> None:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
         if not get_cuda_rng_tracker().is_initialized():
+            # It reseeds the default CUDA generator too; the run's (rollout seeds, data order) stays as it was.
+            state = torch.cuda.get_rng_state_all()
             model_parallel_cuda_manual_seed(torch.initial_seed() % (2**31))
+            torch.cuda.set_rng_state_all(state)
 
 
 class PackedState:
@@ -172,7 +180,7 @@ def transformer_config(args: ModelArgs, dtype: torch.dtype, device: torch.device
             moe_router_dtype="fp32",
             moe_aux_loss_coeff=0.0,
             # alltoall creates CUDA streams when it is built; with one expert rank both only permute
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_token_dispatcher_type="alltoall" if device.type == "cuda" else "allgather",
             moe_grouped_gemm=False,
         )
     return TransformerConfig(
@@ -216,7 +224,9 @@ def _layer_specs(args: ModelArgs, packing: PackedState) -> TransformerBlockSubmo
         )
         spec.submodules.self_attention.submodules.core_attention = attention
         specs.append(spec)
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl)
+    # The final norm named explicitly: megatron's default picks Transformer Engine's or apex's when they are
+    # installed (apex's has no RMSNorm), while the local spec's per-layer norms are always torch's.
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
 
 
 def _float32_gating(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
