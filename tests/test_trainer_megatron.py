@@ -8,7 +8,6 @@ the RL loop must run, resume and go data-parallel with it.
 from __future__ import annotations
 
 import copy
-import json
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from test_models_parity import CASES, random_ids, randomize_, relative_error
 from miles.errors import MilesUserError
 from miles.models import ModelArgs, VarlenAttention, from_pretrained
 from miles.models.checkpoint import iter_hf_tensors
+from miles.tracking import read_records
 from miles.trainer.backends import build_policy, check_backend, copy_policy_into
 from miles.trainer.megatron_layout import from_megatron, qkv_from_megatron, qkv_to_megatron, to_megatron
 from miles.trainer.megatron_policy import MegatronPolicy
@@ -212,10 +212,6 @@ def _single():
     return SINGLE
 
 
-def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 COMMON = [
     "recipe=grpo_math",
     "trainer.max_steps=2",
@@ -239,7 +235,7 @@ def test_grpo_math_with_megatron_trains_resumes_and_runs_data_parallel(tmp_path:
     assert out.returncode == 0, out.stderr[-3000:]
     out = run_miles(tmp_path, *COMMON, "trainer.backend=torch", run_dir=runs / "torch")
     assert out.returncode == 0, out.stderr[-3000:]
-    megatron, torch_run = _records(runs / "megatron"), _records(runs / "torch")
+    megatron, torch_run = read_records(runs / "megatron"), read_records(runs / "torch")
     assert [r["step"] for r in megatron] == [1, 2]
     for mine, theirs in zip(megatron, torch_run, strict=True):
         assert mine["sync/checksum_ok"] == 1.0
@@ -257,7 +253,7 @@ def test_grpo_math_with_megatron_trains_resumes_and_runs_data_parallel(tmp_path:
         run_dir=runs / "resumed",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    resumed = _records(runs / "resumed")
+    resumed = read_records(runs / "resumed")
     for key in ("reward/mean", "train/loss", "train/grad_norm", "train/lr"):
         assert resumed[-1][key] == megatron[-1][key], key
     final = dict(iter_hf_tensors(runs / "megatron" / "checkpoints" / "step_000002"))
@@ -268,7 +264,7 @@ def test_grpo_math_with_megatron_trains_resumes_and_runs_data_parallel(tmp_path:
         tmp_path, *COMMON, "trainer.backend=megatron", "placement.num_processes=2", run_dir=runs / "dp"
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    for mine, theirs in zip(_records(runs / "dp"), megatron, strict=True):
+    for mine, theirs in zip(read_records(runs / "dp"), megatron, strict=True):
         assert mine["sync/replicas_equal"] == 1.0
         assert mine["reward/mean"] == theirs["reward/mean"]
         assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-4, abs=1e-6)
@@ -285,7 +281,7 @@ def test_sft_with_megatron_saves_the_trained_weights(tmp_path: Path) -> None:
         "data.test_size=4",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    records = _records(tmp_path / "run")
+    records = read_records(tmp_path / "run")
     assert records[-1]["step"] == 2 and "eval/accuracy" in records[-1]
     start = dict(iter_hf_tensors(Path(__file__).parents[1] / "miles" / "assets" / "tiny_moe_math"))
     saved = dict(iter_hf_tensors(tmp_path / "run" / "checkpoints" / "step_000002"))
@@ -307,7 +303,7 @@ def test_grpo_math_with_megatron_on_cuda_in_bf16(tmp_path: Path) -> None:
         "trainer.eval_every=0",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    for record in _records(tmp_path / "run"):
+    for record in read_records(tmp_path / "run"):
         assert record["sync/checksum_ok"] == 1.0
         # bf16 autocast in the trainer against the engine's float32 forward
         assert record["mismatch/logprob_abs_diff_mean"] < 0.05, record
