@@ -8,17 +8,16 @@ the RL loop must run, resume and go data-parallel with it.
 from __future__ import annotations
 
 import copy
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from dp_helpers import make_trainer, scored_samples, tiny_moe
 from test_loop import run_miles
-from test_models_parity import CASES, random_ids, randomize_, relative_error
+from test_models_parity import _build, random_ids, relative_error
 
 from miles.errors import MilesUserError
-from miles.models import ModelArgs, VarlenAttention, from_pretrained
+from miles.models import ModelArgs, VarlenAttention
 from miles.models.checkpoint import iter_hf_tensors
 from miles.tracking import read_records
 from miles.trainer.backends import build_policy, check_backend, copy_policy_into
@@ -34,22 +33,24 @@ SUPPORTED = [
 ]
 
 
-def _hf_case(name: str) -> tuple:
-    cls, config = CASES[name]
-    torch.manual_seed(0)
-    hf = cls(config).eval()
-    randomize_(hf, seed=1)
-    folder = tempfile.mkdtemp(prefix=f"miles-{name}-")
-    hf.save_pretrained(folder)
-    return hf, from_pretrained(folder, dtype="float32").eval()
+@pytest.fixture
+def hf_case(tmp_path_factory: pytest.TempPathFactory):
+    """(transformers model, ours loaded from its checkpoint) of a parity case, built once per session."""
+
+    def build(name: str) -> tuple:
+        _, hf, _, ours = _build(name, tmp_path_factory)
+        ours.zero_grad(set_to_none=True)  # shared with the parity tests: no gradient left from another test
+        return hf, ours
+
+    return build
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
 @torch.no_grad()
-def test_megatron_logits_match_transformers(name: str) -> None:
+def test_megatron_logits_match_transformers(name: str, hf_case) -> None:
     """Our weights through megatron's layers (packed: two sequences in one forward) give transformers'
     logits, and the weights converted back are ours bit for bit."""
-    hf, ours = _hf_case(name)
+    hf, ours = hf_case(name)
     policy = MegatronPolicy.from_model(ours)
     ids = random_ids(hf.config.vocab_size, batch=2, length=40, seed=2)
     expected = hf(ids).logits
@@ -64,10 +65,10 @@ def test_megatron_logits_match_transformers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_megatron_gradients_match_ours_per_parameter(name: str) -> None:
+def test_megatron_gradients_match_ours_per_parameter(name: str, hf_case) -> None:
     """The gradient of a weighted logprob sum over packed sequences, parameter by parameter (a global
     gradient norm, or one AdamW step, would hide a small tensor's or a scaled gradient)."""
-    _, ours = _hf_case(name)
+    _, ours = hf_case(name)
     policy = MegatronPolicy.from_model(ours)
     lengths = [13, 7, 20]
     cu_seqlens = [0, 13, 20, 40]
@@ -129,11 +130,11 @@ def test_every_parameter_maps_and_unknown_names_fail() -> None:
         list(from_megatron([(n, t) for n, t in converted if "local_experts.3." not in n], model.args))
 
 
-def test_unsupported_settings_fail_at_start_with_what_to_do() -> None:
-    _, biased = _hf_case("llama_rope_llama3_bias")
+def test_unsupported_settings_fail_at_start_with_what_to_do(hf_case) -> None:
+    _, biased = hf_case("llama_rope_llama3_bias")
     with pytest.raises(MilesUserError, match="biases.*trainer.backend=torch"):
         MegatronPolicy.from_model(biased)
-    _, yarn = _hf_case("qwen3_rope_yarn")
+    _, yarn = hf_case("qwen3_rope_yarn")
     with pytest.raises(MilesUserError, match="YaRN"):
         MegatronPolicy.from_model(yarn)
     with pytest.raises(MilesUserError, match="routing_replay"):

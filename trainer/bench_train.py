@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from miles.config import AlgorithmConfig, TrainerConfig
+from miles.model_io import pick_device
 from miles.models import CausalLM
 from miles.models.presets import PRESETS, build_random_model, preset_args
 from miles.sample import Sample
@@ -123,10 +124,7 @@ def main(argv: list[str]) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise SystemExit(f"unknown --backend {unknown}; use {', '.join(BACKENDS)}")
-    if a.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(a.device)
+    device = pick_device(a.device)
     model = build_model(a, device)
     samples = random_samples(a, model.args.vocab_size)
     params = sum(p.numel() for p in model.parameters())
