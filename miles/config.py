@@ -169,6 +169,9 @@ class TrainerConfig:
     """Passes over each rollout batch (PPO epochs)."""
     precision: str = "fp32"
     """fp32 | bf16 (autocast)."""
+    fused_kernels: str = "auto"
+    """auto | on | off: the torch backend's elementwise chains (RMSNorm, residual add + norm, q/k norm + RoPE,
+    SwiGLU) through torch.compile, forward and backward, as the engine runs them; auto: on CUDA in bf16."""
     seed: int = 0
     """Torch seed."""
     save_every: int = 0

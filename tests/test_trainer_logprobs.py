@@ -50,7 +50,8 @@ def test_entropy_is_optional_and_no_grad_mode_works() -> None:
 
 def test_a_large_vocabulary_is_split_into_chunks() -> None:
     assert chunk_rows(101) > 100_000  # the tiny models: one chunk
-    assert 100 < chunk_rows(151_936) < 1_000  # Qwen3: about 256 MiB of float32 logits per chunk
+    assert 100 < chunk_rows(151_936) < 1_000  # Qwen3 on CPU: about 256 MiB of float32 logits per chunk
+    assert 1_000 < chunk_rows(151_936, device=torch.device("cuda")) < 2_000  # 1 GiB on CUDA
 
 
 def test_bit_identical_to_the_plain_formula_and_a_frozen_head_gets_no_gradient() -> None:
@@ -64,3 +65,22 @@ def test_bit_identical_to_the_plain_formula_and_a_frozen_head_gets_no_gradient()
     (grad,) = torch.autograd.grad(lp.sum(), [hidden])
     (ref_grad,) = torch.autograd.grad(ref_lp.sum(), [hidden])
     torch.testing.assert_close(grad, ref_grad)
+
+
+def test_bf16_hidden_runs_the_gemms_in_bf16_against_a_float32_master_weight() -> None:
+    # the bf16 trainer's LM head: bf16 operands (the engine's rounding of its logits), float32 softmax, and a
+    # float32 gradient for the float32 master weight
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(9, 16, generator=gen).bfloat16().requires_grad_(True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 50, (9,), generator=gen)
+    lp, _ = chunked_logprobs(hidden, weight, targets, rows_per_chunk=4)
+    ref_lp, _ = reference(hidden, weight.bfloat16(), targets, 1.0)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=0)
+    lp.sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    h_ref = hidden.detach().clone().requires_grad_(True)
+    w_ref = weight.detach().clone().requires_grad_(True)
+    reference(h_ref, w_ref.bfloat16(), targets, 1.0)[0].sum().backward()
+    torch.testing.assert_close(hidden.grad.float(), h_ref.grad.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(weight.grad, w_ref.grad, atol=2e-2, rtol=2e-2)

@@ -126,8 +126,56 @@ def test_every_parameter_maps_and_unknown_names_fail() -> None:
     assert all(torch.equal(back[n], p) for n, p in named)
     with pytest.raises(KeyError, match="no megatron name"):
         list(to_megatron([("model.layers.0.mlp.new_proj.weight", torch.zeros(1))], model.args))
-    with pytest.raises(KeyError, match="experts"):
-        list(from_megatron([(n, t) for n, t in converted if "local_experts.3." not in n], model.args))
+    assert {n for n, _ in converted if "experts" in n} == {
+        f"decoder.layers.{i}.mlp.experts.weight{j}"
+        for i in range(model.args.num_hidden_layers)
+        for j in (1, 2)
+    }  # the stacked layout of GroupedExperts, not SequentialMLP's modules
+    sequential = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    with pytest.raises(KeyError, match="no model name"):
+        list(from_megatron([(sequential, torch.zeros(1))], model.args))
+
+
+def test_grouped_experts_equal_the_per_expert_loop_and_the_engine_experts(monkeypatch) -> None:
+    # megatron's experts slot: the grouped GEMMs, the unbind loop and our model's `Experts` compute the same
+    # function (probabilities applied after the activation, as megatron's MLP applies them); expert 2 gets
+    # no tokens
+    from types import SimpleNamespace
+
+    import miles.trainer.megatron_experts as megatron_experts
+    from miles.models.moe import Experts
+
+    config = SimpleNamespace(add_bias_linear=False, hidden_size=16, moe_ffn_hidden_size=8)
+    experts = megatron_experts.GroupedExperts(4, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.weight1.copy_(torch.randn(4, 16, 16, generator=gen) * 0.3)
+        experts.weight2.copy_(torch.randn(4, 16, 8, generator=gen) * 0.3)
+    counts = torch.tensor([3, 5, 0, 4])
+    x = torch.randn(12, 16, generator=gen, requires_grad=True)
+    probs = torch.rand(12, generator=gen)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        experts.zero_grad(set_to_none=True)
+        out, bias = experts(x, counts, probs)
+        assert bias is None
+        grads = torch.autograd.grad(out.square().sum(), [x, experts.weight1, experts.weight2])
+        return (out.detach(), *grads)
+
+    assert megatron_experts._grouped_mm_applies(x, experts.weight1, experts.weight2)
+    grouped = run()
+    monkeypatch.setattr(megatron_experts, "_grouped_mm_applies", lambda *a: False)
+    looped = run()
+    for g, w in zip(grouped, looped):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert grouped[2][2].abs().sum() == 0  # no tokens, no gradient
+
+    ours = Experts(4, 16, 8)
+    with torch.no_grad():
+        ours.gate_up_proj.copy_(experts.weight1)
+        ours.down_proj.copy_(experts.weight2)
+    chosen = torch.repeat_interleave(torch.arange(4), counts)[:, None]
+    torch.testing.assert_close(ours(x.detach(), chosen, probs[:, None]), grouped[0], atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_settings_fail_at_start_with_what_to_do(hf_case) -> None:

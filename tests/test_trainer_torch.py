@@ -289,6 +289,14 @@ def test_optimizer_state_round_trips_through_safetensors(tmp_path) -> None:
     for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters()):
         assert torch.equal(pa, pb), name
 
+    # a checkpoint from a GPU run (fused AdamW) resumes here with this machine's implementation
+    gpu_meta = copy.deepcopy(state["meta"])
+    for group in gpu_meta["param_groups"]:
+        group["hyper"].update(fused=True, foreach=None)
+    trainer_c = make_trainer(copy.deepcopy(model_a), **copy.deepcopy(cfg))
+    trainer_c.load_state_dict({"tensors": state["tensors"], "meta": gpu_meta})
+    assert [g["fused"] for g in trainer_c.optimizer.param_groups] == [None] * len(gpu_meta["param_groups"])
+
     other = tiny_model()
     other.lm_head.weight.requires_grad_(False)
     with pytest.raises(ValueError, match="does not match"):
@@ -377,6 +385,9 @@ def test_bad_configuration_fails_with_a_clear_message() -> None:
         make_trainer(tiny_model(), algorithm=AlgorithmConfig(loss_agg="mean"))
     with pytest.raises(ValueError, match="fp32, bf16"):
         make_trainer(tiny_model(), precision="fp16")
+    with pytest.raises(ValueError, match="trainer.fused_kernels 'yes'; use one of auto, on, off"):
+        make_trainer(tiny_model(), fused_kernels="yes")
+    assert not make_trainer(tiny_model(), precision="bf16").fused_kernels  # auto: CUDA only
     bad = Sample(prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1])
     with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 response tokens"):
         make_trainer(tiny_model()).train_step([bad])

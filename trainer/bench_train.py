@@ -4,9 +4,10 @@ A preset (or a checkpoint folder) is built in place; `--samples` sequences of `-
 random tokens with random advantages are trained on, `--steps` times after one warm-up step, with each
 backend in turn on the same weights and samples. Reported per backend: seconds per update, trained tokens/s,
 model FLOP utilisation (`train/mfu`, trainer/mfu.py: forward FLOPs x 3 for the backward, over the device's
-bf16 peak), peak
-device memory (the bench's own copy of the starting weights included) (the bench's own copy of the starting weights included), and the first update's loss and gradient norm (the backends must agree on those).
+bf16 peak), peak device memory (the bench's own copy of the starting weights included), and the first
+update's loss and gradient norm (the backends must agree on those).
 `--layers N` keeps only the first N layers of the preset (a 30B-A3B shape in a fraction of its memory).
+`--profile N` (CUDA) then profiles one more update and lists its N costliest kernels by device time.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up update")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one more update per backend and print its N costliest kernels (CUDA)",
+    )
     return p.parse_args(argv)
 
 
@@ -101,6 +109,7 @@ def bench_backend(
         times.append(time.perf_counter() - start)
         mfu.append(metrics.get("train/mfu"))
     seconds = sorted(times)[len(times) // 2]
+    kernels = _profile(trainer, samples, a.profile) if a.profile and on_cuda else None
     tokens = metrics["train/tokens"]
     result = {
         "backend": backend,
@@ -111,11 +120,31 @@ def bench_backend(
         "first_loss": first["train/loss"],
         "first_grad_norm": first["train/grad_norm"],
     }
+    if kernels is not None:
+        result["top_kernels"] = kernels
     del trainer, policy
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def _profile(trainer: TorchTrainer, samples: list[Sample], top: int) -> dict[str, Any]:
+    """Device time of one update by kernel: the total, and the `top` costliest kernels with their calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trainer.train_step(copy.deepcopy(samples))
+        torch.cuda.synchronize()
+    device = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device.sort(key=lambda e: -e.self_device_time_total)
+    return {
+        "device_ms": sum(e.self_device_time_total for e in device) / 1e3,
+        "kernels": [
+            {"ms": e.self_device_time_total / 1e3, "calls": e.count, "name": e.key[:100]}
+            for e in device[:top]
+        ],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -157,4 +186,10 @@ def main(argv: list[str]) -> int:
             f"| {r['backend']} | {r['seconds_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
             f"{memory} | {r['first_loss']:.6e} | {r['first_grad_norm']:.6e} |"
         )
+    for r in results:
+        if "top_kernels" in r:
+            print(f"\n{r['backend']}: {r['top_kernels']['device_ms']:.1f} ms of kernels in one update")
+            print("| ms | calls | kernel |\n|---|---|---|")
+            for k in r["top_kernels"]["kernels"]:
+                print(f"| {k['ms']:.1f} | {k['calls']} | `{k['name']}` |")
     return 0

@@ -1,9 +1,10 @@
 """Per-token logprobs (and entropy) of the response tokens of a packed micro-batch.
 
 Logits are computed only at the rows that predict response tokens (prompt rows never reach the LM head),
-outside autocast and in float32, so a bf16 trainer still measures logprobs at full precision; and a chunk
-of rows at a time (recomputed in the backward), so a large vocabulary never holds [tokens, vocab] float32
-tensors for autograd.
+and a chunk of rows at a time (recomputed in the backward), so a large vocabulary never holds [tokens, vocab]
+float32 tensors for autograd. The LM-head GEMM runs in the trainer's precision (bf16 operands for
+`precision=bf16`, the engine's own rounding of its bf16 logits; float32 GEMMs are ~5x slower on an H200),
+and the softmax always in float32.
 """
 
 from __future__ import annotations
@@ -14,10 +15,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miles.models import CausalLM, RoutingTrace, VarlenAttention
+from miles.models import CausalLM, RoutingTrace, VarlenAttention, fused
 from miles.trainer.packing import MicroBatch
 
 PRECISIONS = ("fp32", "bf16")
+
+
+FUSED_KERNELS = ("auto", "on", "off")
+
+
+def use_fused_kernels(setting: str, device: torch.device, precision: str) -> bool:
+    """`trainer.fused_kernels` resolved: compiling the elementwise chains pays off on a GPU in bf16, where
+    eager float32 norms, adds and casts take ~40 % of an update's kernel time (docs/benchmarks.md)."""
+    if setting not in FUSED_KERNELS:
+        raise ValueError(f"unknown trainer.fused_kernels {setting!r}; use one of {', '.join(FUSED_KERNELS)}")
+    if setting == "auto":
+        return device.type == "cuda" and precision == "bf16"
+    return setting == "on"
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -43,29 +57,36 @@ def packed_logprobs(
     precision: str = "fp32",
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    fused_kernels: bool = False,
 ) -> TokenLogprobs:
-    """Forward one micro-batch and return logprobs of its response tokens (grad follows the caller's mode)."""
+    """Forward one micro-batch and return logprobs of its response tokens (grad follows the caller's mode).
+
+    `fused_kernels` runs the model's elementwise chains compiled (miles.models.fused), their backward too."""
     if temperature <= 0:
         raise ValueError(f"logprobs need a positive temperature, got {temperature}")
     routing = (
         RoutingTrace(record=False, replay=batch.routing_replay) if batch.routing_replay is not None else None
     )
-    with autocast(batch.input_ids.device, precision):
+    with autocast(batch.input_ids.device, precision), fused.fused_kernels(fused_kernels):
         out = model.forward_packed(
             batch.input_ids, batch.positions, VarlenAttention(batch.cu_seqlens), routing
         )
-    hidden = out.hidden[batch.target_rows].to(model.dtype)
+    compute_dtype = torch.bfloat16 if precision == "bf16" else model.dtype
+    hidden = out.hidden[batch.target_rows].to(compute_dtype)
     logprobs, entropy = chunked_logprobs(
         hidden, model.lm_head.weight, batch.targets, temperature, with_entropy, entropy_grad
     )
     return TokenLogprobs(logprobs=logprobs, entropy=entropy)
 
 
-_CHUNK_BYTES = 256 * 1024 * 1024
-"""float32 logits held at once: [rows, vocab] chunks of about this size (1 chunk for small vocabularies)."""
+_CHUNK_BYTES = {"cuda": 1024 * 1024 * 1024, "cpu": 256 * 1024 * 1024}
+"""float32 logits held at once: [rows, vocab] chunks of about this size (1 chunk for small vocabularies).
+Larger on CUDA, where ~2k-row LM-head GEMMs run ~1.5x faster than 400-row ones at a 152k vocabulary."""
 
 
-def chunk_rows(vocab_size: int, chunk_bytes: int = _CHUNK_BYTES) -> int:
+def chunk_rows(vocab_size: int, chunk_bytes: int | None = None, device: torch.device | None = None) -> int:
+    if chunk_bytes is None:
+        chunk_bytes = _CHUNK_BYTES["cuda" if device is not None and device.type == "cuda" else "cpu"]
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
@@ -80,11 +101,12 @@ def chunked_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T / T)[target] (and the entropy) per row, float32.
 
-    The [rows, vocab] float32 logits exist one chunk of rows at a time, in the forward and again in the
-    backward (recomputed), instead of several whole copies kept for autograd: with a 152k vocabulary and
-    16k response tokens that is tens of GB on a GPU.
+    The GEMMs run in `hidden`'s dtype (the weight is cast to it, once per pass). The [rows, vocab] float32
+    logits exist one chunk of rows at a time, in the forward and again in the backward (recomputed), instead
+    of several whole copies kept for autograd: with a 152k vocabulary and 16k response tokens that is tens
+    of GB on a GPU.
     """
-    rows = rows_per_chunk or chunk_rows(weight.shape[0])
+    rows = rows_per_chunk or chunk_rows(weight.shape[0], device=hidden.device)
     entropy_grad = entropy_grad and with_entropy and torch.is_grad_enabled()
     logprobs, entropy = _ChunkedLogprobs.apply(
         hidden, weight, targets, temperature, rows, with_entropy, entropy_grad
@@ -118,8 +140,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        w = weight.to(hidden.dtype)
         for s in range(0, n, rows):
-            log_q, picked = _chunk_stats(hidden[s : s + rows], weight, targets[s : s + rows], temperature)
+            log_q, picked = _chunk_stats(hidden[s : s + rows], w, targets[s : s + rows], temperature)
             logprobs[s : s + rows] = picked
             if with_entropy:
                 entropy[s : s + rows] = -(log_q.exp() * log_q).sum(-1)
@@ -142,9 +165,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:  # a frozen lm_head needs no [vocab, hidden] float32 buffer
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        w = weight.to(hidden.dtype)
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s : s + rows]
-            log_q, _ = _chunk_stats(h, weight, targets[s : s + rows], temperature)
+            log_q, _ = _chunk_stats(h, w, targets[s : s + rows], temperature)
             q = log_q.exp()
             # d log q[t] / d z = onehot(t) - q;  d H / d z = -q * (log q + H)
             grad = -q * grad_logprobs[s : s + rows, None]
@@ -156,7 +180,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad /= temperature
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
-                grad_hidden[s : s + rows] = grad @ weight
+                grad_hidden[s : s + rows] = grad @ w
             if grad_weight is not None:
                 grad_weight += (grad.t() @ h).float()
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None

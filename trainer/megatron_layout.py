@@ -3,9 +3,9 @@
 Plain tensor arithmetic, no megatron import. Megatron's differences from our model's own names:
   * `linear_qkv` interleaves q, k and v per query group ([q heads of group g; k_g; v_g] for each g), where
     `qkv_proj` stacks all q rows, then all k rows, then all v rows;
-  * the MoE experts are separate modules (`local_experts.E.linear_fc1`), ours one stacked tensor [E, ...];
   * norms and projections are named after their place (`pre_mlp_layernorm`, `linear_proj`, ...).
-Dense `linear_fc1` is [gate; up] like our `gate_up_proj`, so it maps unchanged.
+Dense `linear_fc1` is [gate; up] like our `gate_up_proj`, so it maps unchanged, and so do the stacked
+experts of `GroupedExperts` (trainer/megatron_experts.py), whose layout is ours.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from miles.models import ModelArgs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 # Inside a layer: ours -> megatron's, for the tensors that map one to one.
 _LAYER_NAMES = {
@@ -31,6 +30,8 @@ _LAYER_NAMES = {
     "mlp.gate_up_proj.weight": "mlp.linear_fc1.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
     "mlp.gate.weight": "mlp.router.weight",
+    "mlp.experts.gate_up_proj": "mlp.experts.weight1",
+    "mlp.experts.down_proj": "mlp.experts.weight2",
 }
 _LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
 _TOP_NAMES = {
@@ -39,8 +40,6 @@ _TOP_NAMES = {
     "lm_head.weight": "output_layer.weight",
 }
 _TOP_NAMES_BACK = {v: k for k, v in _TOP_NAMES.items()}
-_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": "linear_fc1", "mlp.experts.down_proj": "linear_fc2"}
-_STACKED_EXPERTS_BACK = {v: k for k, v in _STACKED_EXPERTS.items()}
 
 
 def _qkv_groups(args: ModelArgs) -> tuple[int, int, int]:
@@ -98,10 +97,6 @@ def to_megatron(
             yield prefix + "self_attention.linear_qkv.weight", qkv_to_megatron(tensor, args)
         elif inner in _LAYER_NAMES:
             yield prefix + _LAYER_NAMES[inner], tensor
-        elif inner in _STACKED_EXPERTS:
-            fc = _STACKED_EXPERTS[inner]
-            for expert in range(tensor.shape[0]):
-                yield f"{prefix}mlp.experts.local_experts.{expert}.{fc}.weight", tensor[expert]
         else:
             raise KeyError(f"no megatron name for parameter {name!r}")
 
@@ -109,9 +104,8 @@ def to_megatron(
 def from_megatron(
     named: Iterable[tuple[str, torch.Tensor]], args: ModelArgs
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Megatron's parameters -> our model's names and layouts (experts stacked again; a tied model gets no
-    separate lm_head, ours shares the embedding too)."""
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    """Megatron's parameters -> our model's names and layouts (a tied model gets no separate lm_head, ours
+    shares the embedding too)."""
     for name, tensor in named:
         if name in _TOP_NAMES_BACK:
             yield _TOP_NAMES_BACK[name], tensor
@@ -121,17 +115,9 @@ def from_megatron(
             raise KeyError(f"no model name for megatron parameter {name!r}")
         layer, inner = match.groups()
         prefix = f"model.layers.{layer}."
-        expert = _EXPERT.match(inner)
         if inner == "self_attention.linear_qkv.weight":
             yield prefix + "self_attn.qkv_proj.weight", qkv_from_megatron(tensor, args)
         elif inner in _LAYER_NAMES_BACK:
             yield prefix + _LAYER_NAMES_BACK[inner], tensor
-        elif expert is not None:
-            experts.setdefault((prefix, expert.group(2)), {})[int(expert.group(1))] = tensor
         else:
             raise KeyError(f"no model name for megatron parameter {name!r}")
-    for (prefix, fc), by_index in experts.items():
-        if sorted(by_index) != list(range(args.num_experts)):
-            raise KeyError(f"{prefix}mlp: megatron experts {sorted(by_index)} of {args.num_experts}")
-        stacked = torch.stack([by_index[e] for e in range(args.num_experts)])
-        yield prefix + _STACKED_EXPERTS_BACK[fc], stacked

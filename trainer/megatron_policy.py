@@ -1,27 +1,33 @@
 """`MegatronPolicy`: a megatron-core `GPTModel` behind the trainer's model interface (`trainer.backend=megatron`).
 
 The policy is built from megatron-core's own layers (its local spec: ColumnParallel/RowParallel linears,
-RMSNorm, q/k layernorm, TopKRouter and the MoE token dispatcher, SequentialMLP experts), so the trainer
-updates megatron's modules and its optimizer state is keyed by megatron's names. Three pieces are ours:
+RMSNorm, q/k layernorm, TopKRouter and the MoE token dispatcher), so the trainer updates megatron's modules
+and its optimizer state is keyed by megatron's names. Four pieces are ours, each in a slot megatron exposes:
 
   * the core attention: megatron's unfused `DotProductAttention` has no packed-sequence path without
     Transformer Engine, so each layer hands q/k/v to the same varlen attention the torch backend uses (the
     per-layer attention kernel is a spec slot megatron exposes for exactly this);
   * RoPE angles: computed per token from the packed positions with our model's frequencies (Llama-3
     scaling included), then applied by megatron's `apply_rotary_pos_emb`;
-  * the routers' gating (logits in float32 with autocast off, on the weight's own device).
+  * the routers' gating (logits in float32 with autocast off, on the weight's own device);
+  * the experts: megatron's grouped-GEMM experts need Transformer Engine or the `grouped_gemm` package, and
+    its `SequentialMLP` loops over experts, so `GroupedExperts` (megatron_experts.py) takes the dispatcher's
+    permuted tokens into torch's grouped GEMMs.
 
 `TorchTrainer` drives it unchanged (`forward_packed`, `lm_head`, `args`, `device`, `dtype`); the engine keeps
 its own `CausalLM`, which the weight sync fills from `engine_weights()` (megatron's layout converted, see
 megatron_layout.py), with the checksum proving both sides agree after every step.
 
 The same code runs on CPU (CI, debugging) and CUDA: megatron-core's CUDA-only paths (its causal mask, RoPE
-table and router gating, which moves the router weight to the current GPU) are the three replaced. Tensor, pipeline and expert parallelism are not wired yet (one model replica per process;
-data parallelism over processes works as for the torch backend).
+table and router gating, which moves the router weight to the current GPU) are among those replaced.
+Tensor, pipeline and expert parallelism are not wired yet (one model replica per process; data parallelism
+over processes works as for the torch backend).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import os
 import tempfile
@@ -37,6 +43,7 @@ from miles.models import CausalLM, ModelArgs, RoutingTrace
 from miles.models.attention import AttentionContext
 from miles.models.layers import RotaryEmbedding
 from miles.models.model import ForwardOutput
+from miles.trainer.megatron_experts import GroupedExperts
 from miles.trainer.megatron_layout import from_megatron, to_megatron
 
 # megatron-core warns at import about optional packages (apex, Transformer Engine) and deprecations that
@@ -96,6 +103,7 @@ def ensure_process_groups(device: torch.device) -> None:
             rank=0,
             world_size=1,
         )
+        atexit.register(_destroy_world_of_one)
     if parallel_state.model_parallel_is_initialized() and (
         parallel_state.get_data_parallel_world_size() != dist.get_world_size()
     ):
@@ -112,6 +120,16 @@ def ensure_process_groups(device: torch.device) -> None:
             state = torch.cuda.get_rng_state_all()
             model_parallel_cuda_manual_seed(torch.initial_seed() % (2**31))
             torch.cuda.set_rng_state_all(state)
+
+
+def _destroy_world_of_one() -> None:
+    """At exit, the group `ensure_process_groups` created (NCCL warns of a leak otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 class PackedState:
@@ -223,10 +241,20 @@ def _layer_specs(args: ModelArgs, packing: PackedState) -> TransformerBlockSubmo
             normalization="RMSNorm",
         )
         spec.submodules.self_attention.submodules.core_attention = attention
+        if args.is_moe_layer(layer):
+            _moe_submodules(spec.submodules.mlp).experts = GroupedExperts
         specs.append(spec)
     # The final norm named explicitly: megatron's default picks Transformer Engine's or apex's when they are
     # installed (apex's has no RMSNorm), while the local spec's per-layer norms are always torch's.
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
+
+
+def _moe_submodules(mlp_spec: Any) -> Any:
+    """The MoE layer's submodules in a layer spec: a `ModuleSpec`'s (megatron-core 0.16) or, since the MoE
+    layer became a builder, its `functools.partial`'s keyword (0.19)."""
+    if isinstance(mlp_spec, functools.partial):
+        return mlp_spec.keywords["submodules"]
+    return mlp_spec.submodules
 
 
 def _float32_gating(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -289,7 +317,7 @@ class MegatronPolicy(nn.Module):
             raise KeyError(f"megatron parameters left unwritten: {sorted(set(own) - written)[:8]}")
 
     def engine_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights in the engine model's names and layouts (detached; experts stacked into copies)."""
+        """The weights in the engine model's names and layouts (detached; q/k/v regrouped into copies)."""
         named = ((n, p.detach()) for n, p in self.gpt.named_parameters())
         return list(from_megatron(named, self.args))
 

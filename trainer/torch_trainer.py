@@ -33,7 +33,7 @@ from miles.models import CausalLM
 from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
-from miles.trainer.logprobs import autocast, packed_logprobs
+from miles.trainer.logprobs import autocast, packed_logprobs, use_fused_kernels
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
 from miles.trainer.mfu import device_peak_flops, forward_flops
 from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
@@ -98,6 +98,7 @@ class TorchTrainer:
         self.total_optimizer_steps = total_optimizer_steps
         self.optimizer_steps_done = 0
         self.peak_flops = device_peak_flops(self.device, cfg.precision, cfg.peak_flops)
+        self.fused_kernels = use_fused_kernels(cfg.fused_kernels, self.device, cfg.precision)
         self._warned_missing_logprobs = False
 
     def set_total_optimizer_steps(self, total: int) -> None:
@@ -256,7 +257,7 @@ class TorchTrainer:
         opt_state: dict[int, dict[str, Any]] = {}
         groups = []
         idx = 0
-        for group_meta in meta["param_groups"]:
+        for group_meta, current_group in zip(meta["param_groups"], self.optimizer.param_groups):
             indices = []
             for name in group_meta["param_names"]:
                 prefix = f"optimizer.{name}."
@@ -269,6 +270,11 @@ class TorchTrainer:
                 indices.append(idx)
                 idx += 1
             hyper = dict(group_meta["hyper"])
+            # How the update is computed belongs to this machine, not to the checkpoint (a GPU run's fused
+            # kernel may resume on a CPU).
+            for key in _IMPLEMENTATION_KEYS:
+                if key in current_group:
+                    hyper[key] = current_group[key]
             if "betas" in hyper:
                 hyper["betas"] = tuple(hyper["betas"])
             groups.append({**hyper, "params": indices})
@@ -293,7 +299,9 @@ class TorchTrainer:
         result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         ids = list(range(len(samples)))
         for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
-            out = packed_logprobs(model, batch, temperature, self.cfg.precision)
+            out = packed_logprobs(
+                model, batch, temperature, self.cfg.precision, fused_kernels=self.fused_kernels
+            )
             for i, values in zip(batch.sample_ids, batch.per_sample(out.logprobs)):
                 result[i] = values
         return result
@@ -339,6 +347,7 @@ class TorchTrainer:
                 self.cfg.precision,
                 with_entropy=True,
                 entropy_grad=entropy_coef > 0,
+                fused_kernels=self.fused_kernels,
             )
             ids_in = batch.sample_ids
             mask = torch.cat([data.loss_mask[i] for i in ids_in])
@@ -477,6 +486,9 @@ class TorchTrainer:
 
 _GRAD_BUCKET_ELEMENTS = 64 * 1024 * 1024
 """Gradient elements summed across ranks in one all-reduce."""
+
+
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _grad_buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -144,6 +144,9 @@ class Experts(nn.Module):
             sorted_x = x.index_select(0, token_of)  # a plain row gather, faster than generic indexing
         if self.batch_invariant_block:
             out = self._blocked(sorted_x, self._counts(flat_expert), self.batch_invariant_block)
+        elif (train_dtype := self._training_grouped_dtype(x)) is not None:
+            offsets = torch.cumsum(self._counts(flat_expert), dim=0, dtype=torch.int32)
+            out = self._grouped(sorted_x.to(train_dtype), offsets, train_dtype)
         elif self._groupable(x):
             if x.is_cuda:
                 offsets = torch.cumsum(self._counts(flat_expert), dim=0, dtype=torch.int32)
@@ -204,6 +207,16 @@ class Experts(nn.Module):
             and (self.intermediate_size * elem) % 16 == 0
         )
 
+    def _training_grouped_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """bf16 when a CUDA training forward runs under bf16 autocast: its float32 activations and master
+        weights then go through the grouped GEMMs in bf16 (what autocast does for every other linear), whose
+        backward computes each projection's expert gradients at once."""
+        if not (hasattr(torch, "_grouped_mm") and x.is_cuda and torch.is_grad_enabled()):
+            return None
+        if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != torch.bfloat16:
+            return None
+        return torch.bfloat16
+
     def _blocked(self, sorted_x: torch.Tensor, counts: torch.Tensor, block: int) -> torch.Tensor:
         outs = []
         start = 0
@@ -224,12 +237,15 @@ class Experts(nn.Module):
     def _looped(self, sorted_x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []
         start = 0
+        # One unbind per projection: its backward stacks the experts' gradients once, where indexing
+        # `proj[expert]` would add a whole [E, ...] zero-filled gradient per expert (E^2 work).
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for expert, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
             xs = sorted_x[start : start + count]
-            gate, up = F.linear(xs, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            gate, up = F.linear(xs, gate_ups[expert]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, downs[expert]))
             start += count
         if not outs:
             return sorted_x.new_zeros(sorted_x.shape)
@@ -244,10 +260,15 @@ class Experts(nn.Module):
             return counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
         return torch.bincount(flat_expert, minlength=self.num_experts)
 
-    def _grouped(self, sorted_x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def _grouped(
+        self, sorted_x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """One grouped GEMM per projection over all experts; `offsets` [E] int32 (the cumulative rows per
-        expert) stay on the device: no host sync."""
-        gate_up = torch._grouped_mm(sorted_x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+        expert) stay on the device: no host sync. `dtype` casts the stacked weights first (training)."""
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        if dtype is not None:
+            gate_up_proj, down_proj = gate_up_proj.to(dtype), down_proj.to(dtype)
+        gate_up = torch._grouped_mm(sorted_x, gate_up_proj.transpose(-2, -1), offs=offsets)
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = fused.call(fused.silu_mul, gate, up)
-        return torch._grouped_mm(hidden, self.down_proj.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(hidden, down_proj.transpose(-2, -1), offs=offsets)
