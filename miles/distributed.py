@@ -15,10 +15,11 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ from miles.sample import Sample
 T = TypeVar("T")
 
 _LAUNCHED_ENV = "MILES_LAUNCHED_BY"
+_STORE_ENV = "MILES_STORE_FILE"
+"""The file the ranks of `launch` rendezvous in (no TCP port to pick)."""
 """Set in the processes `launch` starts, so they do not launch again."""
 
 
@@ -144,9 +147,15 @@ def init_data_parallel(requested: int, device: str, timeout_s: float = 1800.0) -
             )
         torch.cuda.set_device(local_rank)  # model.device=cuda / auto then resolves to this rank's GPU
     if not dist.is_initialized():
+        store_file = os.environ.get(_STORE_ENV)  # set by `launch`; torchrun's env:// otherwise
         dist.init_process_group(
             backend="nccl" if on_cuda else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
+            **(
+                {"init_method": f"file://{store_file}", "rank": rank, "world_size": world}
+                if store_file
+                else {}
+            ),
         )
     return DataParallel(rank=rank, world_size=world, local_rank=local_rank, on_cuda=on_cuda)
 
@@ -178,18 +187,14 @@ def check_devices(num_processes: int, device: str) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list[str] | None = None) -> int:
     """Start `num_processes` ranks of the run whose resolved config is `run_dir/config.yaml` on this
     machine and wait for them. If one fails, the others are stopped (a rank that died leaves the rest
     waiting in a collective), and so are they all if this process is interrupted or terminated. Returns
     the first non-zero exit code, or 0. (`command` replaces the rank's program, for tests.)"""
-    port = _free_port()
+    # The ranks meet in a file store made fresh for this launch: a TCP port probed free here could be taken
+    # by another program before rank 0 binds it.
+    store_dir = tempfile.mkdtemp(prefix="miles-launch-")
     procs: list[subprocess.Popen[bytes]] = []
 
     def terminated(signum: int, frame: object) -> None:
@@ -205,8 +210,7 @@ def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(num_processes),
                 "LOCAL_WORLD_SIZE": str(num_processes),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
+                _STORE_ENV: os.path.join(store_dir, "store"),
                 _LAUNCHED_ENV: str(os.getpid()),
             }
             cmd = command or [sys.executable, "-m", "miles.distributed", str(run_dir)]
@@ -222,6 +226,7 @@ def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list
             time.sleep(poll_s)
     finally:
         _stop(procs)
+        shutil.rmtree(store_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code

@@ -216,6 +216,26 @@ def test_the_launcher_stops_every_rank_when_any_fails(tmp_path: Path, failing_ra
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_launched_ranks_meet_in_a_fresh_file_store_that_is_removed_after(tmp_path: Path) -> None:
+    # no TCP port is probed and handed over (another program could take it before rank 0 binds it)
+    program = (
+        "import os, sys, torch.distributed as dist; from pathlib import Path; "
+        "from miles.distributed import init_data_parallel, shutdown; "
+        "store = os.environ['MILES_STORE_FILE']; Path(sys.argv[1], 'store').write_text(store); "
+        "dp = init_data_parallel(2, 'cpu', timeout_s=60); "
+        "assert dist.get_world_size() == 2 and 'MASTER_PORT' not in os.environ; "
+        "assert dp.all_reduce_floats([float(dp.rank + 1)]) == [3.0]; shutdown(dp)"
+    )
+    env_port = os.environ.pop("MASTER_PORT", None)
+    try:
+        assert launch(tmp_path, 2, poll_s=0.05, command=[sys.executable, "-c", program, str(tmp_path)]) == 0
+    finally:
+        if env_port is not None:
+            os.environ["MASTER_PORT"] = env_port
+    store = Path((tmp_path / "store").read_text())
+    assert not store.parent.exists()
+
+
 def test_a_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
     script = (
         "import sys; from pathlib import Path; from miles.distributed import launch; "
