@@ -51,7 +51,7 @@ def test_entropy_is_optional_and_no_grad_mode_works() -> None:
 def test_a_large_vocabulary_is_split_into_chunks() -> None:
     assert chunk_rows(101) > 100_000  # the tiny models: one chunk
     assert 100 < chunk_rows(151_936) < 1_000  # Qwen3 on CPU: about 256 MiB of float32 logits per chunk
-    assert 1_000 < chunk_rows(151_936, device=torch.device("cuda")) < 2_000  # 1 GiB on CUDA
+    assert 800 < chunk_rows(151_936, device=torch.device("cuda")) < 1_000  # 512 MiB on CUDA
 
 
 def test_bit_identical_to_the_plain_formula_and_a_frozen_head_gets_no_gradient() -> None:

@@ -395,6 +395,44 @@ def test_bad_configuration_fails_with_a_clear_message() -> None:
         make_trainer(tiny_model(), temperature=0.0).train_step(random_samples(2))
 
 
+def test_a_failing_compiled_backward_redoes_the_step_eagerly(monkeypatch) -> None:
+    # trainer.fused_kernels: a compiled backward is built inside loss.backward(), out of the forward fallback's
+    # reach; the step is redone with the eager chains, and the engine's compiled kernels stay on
+    from miles.models import fused
+
+    samples = random_samples(6, seed=7)
+    for s in samples:
+        s.advantage = 1.0 if s.index == 0 else -1.0
+    monkeypatch.setattr(fused, "_chains_failed", False)
+    eager_model, model = tiny_model(seed=8), tiny_model(seed=8)
+    eager = make_trainer(eager_model, fused_kernels="off", lr=1e-2).train_step(copy.deepcopy(samples))
+    trainer = make_trainer(model, fused_kernels="on", lr=1e-2)
+    original, calls = trainer._accumulate_gradients, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(trainer.fused_kernels)
+        if len(calls) == 1:
+            raise RuntimeError("inductor: backward lowering failed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_accumulate_gradients", failing_once)
+    retried = trainer.train_step(copy.deepcopy(samples))
+    assert calls == [True, False] and not trainer.fused_kernels
+    assert fused._chains_failed and not fused._failed and not fused.compiling()
+    assert retried["train/grad_norm"] == eager["train/grad_norm"]
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b)
+    # without compiled chains an error is the caller's
+    plain = make_trainer(tiny_model())
+    monkeypatch.setattr(plain, "_accumulate_gradients", _raise_broken)
+    with pytest.raises(RuntimeError, match="broken"):
+        plain.train_step(copy.deepcopy(samples))
+
+
+def _raise_broken(*args, **kwargs):
+    raise RuntimeError("broken")
+
+
 def test_custom_policy_loss_by_dotted_path(tmp_path, monkeypatch) -> None:
     (tmp_path / "my_pg_plugin.py").write_text(
         "def vanilla_pg(batch, cfg):\n"

@@ -29,7 +29,7 @@ import torch
 
 from miles.config import AlgorithmConfig, TrainerConfig
 from miles.distributed import SINGLE, DataParallel
-from miles.models import CausalLM
+from miles.models import CausalLM, fused
 from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
@@ -337,6 +337,40 @@ class TorchTrainer:
         if self.dp.enabled:  # the aggregation's denominators are the whole batch's, over every rank
             tokens, seqs = self.dp.all_reduce_floats([normalizer.num_tokens, normalizer.num_seqs])
             normalizer = LossNormalizer(algo.loss_agg, int(tokens), int(seqs))
+        try:
+            sums = self._accumulate_gradients(
+                samples, ids, data, loss_fn, temperature, replay, entropy_coef, normalizer
+            )
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:
+            if not self.fused_kernels:
+                raise
+            # A compiled backward is built lazily inside `loss.backward()`, where the forward's eager fallback
+            # (fused.call) cannot catch its failure; no update has been applied yet, so the step is redone
+            # with the eager chains, which compute the same.
+            fused.disable_chains(f"{type(err).__name__}: {err}")
+            self.fused_kernels = False
+            sums = self._accumulate_gradients(
+                samples, ids, data, loss_fn, temperature, replay, entropy_coef, normalizer
+            )
+        metrics = self._sum_over_ranks({name: value.item() for name, value in sums.items()})
+        metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
+        return metrics
+
+    def _accumulate_gradients(
+        self,
+        samples: list[Sample],
+        ids: list[int],
+        data: TokenData,
+        loss_fn: PolicyLossFn,
+        temperature: float,
+        replay: bool,
+        entropy_coef: float,
+        normalizer: LossNormalizer,
+    ) -> dict[str, torch.Tensor]:
+        """Gradients of one optimizer step's loss over its micro-batches (from zero), and the metric sums."""
+        algo = self.algorithm
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
@@ -383,9 +417,7 @@ class TorchTrainer:
             sums["train/nll"] += (-out.logprobs.detach() * mean_weights).sum()
             for name, values in result.token_metrics.items():
                 sums[name] += (values.detach().float() * mean_weights).sum()
-        metrics = self._sum_over_ranks({name: value.item() for name, value in sums.items()})
-        metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
-        return metrics
+        return sums
 
     def _old_and_tis(
         self, data: TokenData, batch: MicroBatch, logprobs: torch.Tensor

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from miles.models.fused import KernelSwitch
+
 
 @dataclass
 class KVWrite:
@@ -96,6 +98,10 @@ def _flash_varlen() -> tuple[Callable[..., torch.Tensor], dict[str, Any]] | None
     return varlen_attn, causal
 
 
+FLASH = KernelSwitch("varlen flash attention", "running the SDPA paths")
+"""Off after its first failure (e.g. a GPU or build without flash attention)."""
+
+
 class VarlenAttention:
     """Causal attention within each of several sequences packed into one token dimension.
 
@@ -117,7 +123,7 @@ class VarlenAttention:
 
     def _flash_dtype(self, q: torch.Tensor) -> torch.dtype | None:
         """The half dtype the flash path runs in here, or None where it does not apply."""
-        if not (self.use_flash and q.is_cuda) or q.shape[-1] > 256 or q.shape[-1] % 8:
+        if not (self.use_flash and FLASH.on and q.is_cuda) or q.shape[-1] > 256 or q.shape[-1] % 8:
             return None
         if torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
@@ -163,7 +169,9 @@ class VarlenAttention:
         assert k is not None and v is not None
         flash_dtype = self._flash_dtype(q)
         if flash_dtype is not None and q.shape[0]:
-            return self._flash(q, k, v, scale, flash_dtype)
+            out = FLASH.run(self._flash, q, k, v, scale, flash_dtype)  # None: no flash kernel on this GPU
+            if out is not None:
+                return out
         if len(self.cu_seqlens) == 2:
             return sdpa(q, k, v, scale, causal=True)
         if self.cu_seqlens[-1] <= self.block_mask_max_tokens:

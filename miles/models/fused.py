@@ -4,7 +4,8 @@ Eager, each chain is several small kernels (float32 upcast, square, mean, rsqrt,
 large-batch decode step those kernels read and write [batch, hidden] tensors many times and cost about a
 quarter of the step. Inside `fused_kernels()` the same functions run through `torch.compile`, which turns
 each chain into one Triton kernel with the same math. The rollout engine switches it on for its own
-forwards on CUDA; everything else (the trainer, CPU) runs the eager functions.
+forwards on CUDA; the trainer runs its forwards inside `compiled_chains()` (the same compiled functions,
+with their backward, and none of the hand-written kernels) where `trainer.fused_kernels` says so.
 
 `KernelSwitch` is the on/off state of each hand-written Triton kernel (`fused_moe`, `fused_norm_rope`,
 `rollout.sampling_triton`): the first failure turns that kernel off and its callers fall back to these
@@ -116,13 +117,18 @@ def add_slot_sum_rms_norm(
 
 
 _enabled = False
+_chains = False
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 _failed = False
+"""torch.compile failed in an engine forward: the engine's chains run eager from then on."""
+_chains_failed = False
+"""... in a trainer forward (its own flag, so a failure only autograd graphs hit leaves the engine's on)."""
 
 
 @contextmanager
 def fused_kernels(enabled: bool = True) -> Iterator[None]:
-    """Run `call(fn, ...)` through compiled kernels within this block."""
+    """Run `call(fn, ...)` through compiled kernels within this block, and let the hand-written Triton
+    kernels (`enabled()`) run (the engine's forwards)."""
     global _enabled
     previous, _enabled = _enabled, enabled
     try:
@@ -131,20 +137,42 @@ def fused_kernels(enabled: bool = True) -> Iterator[None]:
         _enabled = previous
 
 
+@contextmanager
+def compiled_chains(enabled: bool = True) -> Iterator[None]:
+    """Run `call(fn, ...)` compiled within this block, with autograd, and nothing else: the trainer's
+    forwards, whose gradients the hand-written kernels (no backward) cannot give, and whose no-grad passes
+    (old and reference logprobs) must compute what the training forward computes."""
+    global _chains
+    previous, _chains = _chains, enabled
+    try:
+        yield
+    finally:
+        _chains = previous
+
+
 def enabled() -> bool:
     """Whether the caller runs inside `fused_kernels()` (the engine's own forwards on CUDA)."""
     return _enabled
 
 
 def compiling() -> bool:
-    """Whether `call` compiles here (fused kernels on and torch.compile has not failed in this process)."""
-    return _enabled and not _failed
+    """Whether `call` compiles here (inside `fused_kernels()` or `compiled_chains()`, and torch.compile has not
+    failed there in this process)."""
+    return (_enabled and not _failed) or (_chains and not _enabled and not _chains_failed)
+
+
+def disable_chains(reason: str) -> None:
+    """Trainer forwards run eager from now on (e.g. after a compiled backward failed)."""
+    global _chains_failed
+    if not _chains_failed:
+        _chains_failed = True
+        log.warning("compiled elementwise chains off for training (%s); running the eager ones", reason)
 
 
 def call(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args), compiled when fused kernels are on."""
-    global _failed
-    if not _enabled or _failed:
+    """fn(*args), compiled when fused kernels or compiled chains are on."""
+    global _failed, _chains_failed
+    if not compiling():
         return fn(*args)
     compiled = _compiled.get(fn)
     if compiled is None:
@@ -159,7 +187,10 @@ def call(fn: Callable[..., Any], *args: Any) -> Any:
         # An error of the inputs raises from the eager function too (and fusion stays on); one that only the
         # compiled path has (no Triton, no compiler) switches to the eager kernels, which give the same results.
         result = fn(*args)
-        _failed = True
+        if _enabled:
+            _failed = True
+        else:
+            _chains_failed = True
         log.warning("fused kernels unavailable (%s: %s); running the eager ones", type(err).__name__, err)
         return result
 

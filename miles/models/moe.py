@@ -144,7 +144,7 @@ class Experts(nn.Module):
             sorted_x = x.index_select(0, token_of)  # a plain row gather, faster than generic indexing
         if self.batch_invariant_block:
             out = self._blocked(sorted_x, self._counts(flat_expert), self.batch_invariant_block)
-        elif (train_dtype := self._training_grouped_dtype(x)) is not None:
+        elif (train_dtype := self._autocast_grouped_dtype(x)) is not None:
             offsets = torch.cumsum(self._counts(flat_expert), dim=0, dtype=torch.int32)
             out = self._grouped(sorted_x.to(train_dtype), offsets, train_dtype)
         elif self._groupable(x):
@@ -180,7 +180,8 @@ class Experts(nn.Module):
         )
 
     def fused(self, x: torch.Tensor, num_pairs: int) -> bool:
-        """The engine's decode-sized forwards on CUDA (not the trainer's: the Triton kernels have no backward)."""
+        """The engine's decode-sized forwards on CUDA (inside `fused_kernels()`; not the trainer's, whose forwards
+        need gradients, or the training forward's kernels for their no-grad passes)."""
         return (
             fused.enabled()
             and fused_moe.available()
@@ -207,13 +208,17 @@ class Experts(nn.Module):
             and (self.intermediate_size * elem) % 16 == 0
         )
 
-    def _training_grouped_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """bf16 when a CUDA training forward runs under bf16 autocast: its float32 activations and master
-        weights then go through the grouped GEMMs in bf16 (what autocast does for every other linear), whose
-        backward computes each projection's expert gradients at once."""
-        if not (hasattr(torch, "_grouped_mm") and x.is_cuda and torch.is_grad_enabled()):
+    def _autocast_grouped_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """bf16 when a CUDA forward runs under bf16 autocast (the trainer's, with or without gradients: the old
+        and reference logprobs take the training forward's kernels): its float32 activations and master
+        weights then go through the grouped GEMMs in bf16, what autocast does for every other linear, and
+        their backward computes each projection's expert gradients at once."""
+        if not (hasattr(torch, "_grouped_mm") and x.is_cuda):
             return None
         if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != torch.bfloat16:
+            return None
+        rows = (x.shape[-1], self.intermediate_size)  # the grouped GEMM wants 16-byte-aligned rows
+        if any((n * torch.bfloat16.itemsize) % 16 for n in rows):
             return None
         return torch.bfloat16
 
