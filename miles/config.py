@@ -169,6 +169,9 @@ class TrainerConfig:
     """Passes over each rollout batch (PPO epochs)."""
     precision: str = "fp32"
     """fp32 | bf16 (autocast)."""
+    tensor_parallel_size: int = 1
+    """megatron backend: processes that split one model replica's layers (megatron's tensor parallelism; a
+    divisor of placement.num_processes); the replicas are data-parallel. 1: each process holds a replica."""
     fused_kernels: str = "auto"
     """auto | on | off: the torch backend's elementwise chains (RMSNorm, residual add + norm, q/k norm + RoPE,
     SwiGLU) through torch.compile, forward and backward, as the engine runs them; auto: on CUDA in bf16."""

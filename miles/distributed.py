@@ -46,6 +46,8 @@ class DataParallel:
     local_rank: int = 0
     on_cuda: bool = False
     """The ranks run on GPUs (one each, `cuda:local_rank`) and talk through NCCL; else gloo on CPU."""
+    group: Any = None
+    """The process group the collectives run in (None: the whole world); `rank` and `world_size` are within it."""
 
     @property
     def enabled(self) -> bool:
@@ -65,7 +67,7 @@ class DataParallel:
             import torch.distributed as dist
 
             ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-            dist.all_reduce(tensor, op=ops[op])
+            dist.all_reduce(tensor, op=ops[op], group=self.group)
         return tensor
 
     def all_reduce_floats(self, values: Sequence[float], op: str = "sum") -> list[float]:
@@ -81,7 +83,7 @@ class DataParallel:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -91,7 +93,7 @@ class DataParallel:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=self._global_rank(0), group=self.group)
         return box[0]
 
     def broadcast_module(self, module: torch.nn.Module) -> None:
@@ -102,16 +104,29 @@ class DataParallel:
 
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=self._global_rank(0), group=self.group)
 
     def barrier(self) -> None:
         if self.enabled:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if self.on_cuda else torch.device("cpu")
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, group_rank)
+
+    def within(self, group: Any) -> DataParallel:
+        """The same process in a subgroup of the world (its rank and size there)."""
+        import torch.distributed as dist
+
+        return replace(self, rank=dist.get_rank(group), world_size=dist.get_world_size(group), group=group)
 
 
 SINGLE = DataParallel()

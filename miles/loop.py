@@ -209,7 +209,13 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         fn = plugins.load(spec, "rollout.generate_fn")
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
         generate = multiturn.generate
-    policy = build_policy(cfg.trainer.backend, model, cfg.trainer.routing_replay, cfg.trainer.precision)
+    policy = build_policy(
+        cfg.trainer.backend,
+        model,
+        cfg.trainer.routing_replay,
+        cfg.trainer.precision,
+        cfg.trainer.tensor_parallel_size,
+    )
     trainer = TorchTrainer(
         policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
     )
@@ -271,11 +277,13 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         if dp.enabled:  # every rank's (a collective: all ranks are here), written by rank 0
             engine_state = {"ranks": dp.all_gather_objects(engine_state)}
         run_id = tracker.wandb_run_id if tracker is not None and tracker.wandb_run_id else wandb_run_id
+        # With tensor parallelism the optimizer state is gathered from the TP ranks: a collective, here.
+        trainer_state = trainer.state_dict() if trainer.tp.enabled else None
         return lambda folder: write_run_state(
             folder,
             step,
             redact(asdict(cfg)),
-            trainer.state_dict(),
+            trainer_state if trainer_state is not None else trainer.state_dict(),
             loader.state_dict(),
             engine_state,
             run_id,

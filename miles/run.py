@@ -38,6 +38,17 @@ def check_supported(config: MilesConfig) -> None:
         raise MilesUserError(
             f"placement.num_processes must be at least 1, got {config.placement.num_processes}"
         )
+    tp = config.trainer.tensor_parallel_size
+    if tp != 1:
+        if tp < 1 or config.trainer.backend != "megatron":
+            raise MilesUserError(
+                f"trainer.tensor_parallel_size={tp} needs trainer.backend=megatron and a size >= 1"
+            )
+        if config.placement.num_processes > 1 and config.placement.num_processes % tp:
+            raise MilesUserError(
+                f"trainer.tensor_parallel_size={tp} must divide placement.num_processes="
+                f"{config.placement.num_processes} (each group of {tp} processes splits one model replica)"
+            )
 
 
 def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) -> dict[str, float]:

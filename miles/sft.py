@@ -70,7 +70,12 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     steps = math.ceil(len(data) * cfg.trainer.sft_epochs / batch)
     if cfg.trainer.max_steps > 0:
         steps = min(steps, cfg.trainer.max_steps)
-    policy = build_policy(cfg.trainer.backend, model, precision=cfg.trainer.precision)
+    policy = build_policy(
+        cfg.trainer.backend,
+        model,
+        precision=cfg.trainer.precision,
+        tensor_parallel=cfg.trainer.tensor_parallel_size,
+    )
     trainer = TorchTrainer(
         policy, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps, dp=dp
     )

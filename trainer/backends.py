@@ -27,10 +27,18 @@ def check_backend(backend: str) -> None:
 
 
 def build_policy(
-    backend: str, model: CausalLM, routing_replay: bool = False, precision: str = "fp32"
+    backend: str,
+    model: CausalLM,
+    routing_replay: bool = False,
+    precision: str = "fp32",
+    tensor_parallel: int = 1,
 ) -> nn.Module:
     """The module the trainer updates, starting from `model`'s weights."""
     check_backend(backend)
+    if tensor_parallel < 1 or (tensor_parallel > 1 and backend != "megatron"):
+        raise MilesUserError(
+            f"trainer.tensor_parallel_size={tensor_parallel} needs trainer.backend=megatron (and a size >= 1)"
+        )
     if backend == "torch":
         return model
     if precision == "bf16" and model.device.type != "cuda":
@@ -45,7 +53,7 @@ def build_policy(
         )
     from miles.trainer.megatron_policy import MegatronPolicy
 
-    return MegatronPolicy.from_model(model)
+    return MegatronPolicy.from_model(model, tensor_parallel)
 
 
 def copy_policy_into(policy: nn.Module, model: CausalLM) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles.models import CausalLM, RoutingTrace, VarlenAttention, fused
@@ -74,7 +76,14 @@ def packed_logprobs(
     compute_dtype = torch.bfloat16 if precision == "bf16" else model.dtype
     hidden = out.hidden[batch.target_rows].to(compute_dtype)
     logprobs, entropy = chunked_logprobs(
-        hidden, model.lm_head.weight, batch.targets, temperature, with_entropy, entropy_grad
+        hidden,
+        model.lm_head.weight,
+        batch.targets,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        group=getattr(model, "tensor_parallel_group", None),
+        vocab_size=model.args.vocab_size,
     )
     return TokenLogprobs(logprobs=logprobs, entropy=entropy)
 
@@ -99,14 +108,37 @@ def chunked_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     rows_per_chunk: int | None = None,
+    group: Any = None,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T / T)[target] (and the entropy) per row, float32.
+
+    With a TP `group`, `weight` is this rank's rows of a vocabulary split over the group
+    (trainer/vocab_parallel.py), padded past `vocab_size` with rows the softmax leaves out; chunks are sized
+    by the whole vocabulary's logits, as without.
 
     The GEMMs run in `hidden`'s dtype (the weight is cast to it, once per pass). The [rows, vocab] float32
     logits exist one chunk of rows at a time, in the forward and again in the backward (recomputed), instead
     of several whole copies kept for autograd: with a 152k vocabulary and 16k response tokens that is tens
     of GB on a GPU.
     """
+    if group is not None:
+        from miles.trainer.vocab_parallel import vocab_parallel_logprobs
+
+        padded = weight.shape[0] * dist.get_world_size(group)
+        rows = rows_per_chunk or chunk_rows(padded, device=hidden.device)
+        logprobs, entropy = vocab_parallel_logprobs(
+            hidden,
+            weight,
+            targets,
+            group,
+            temperature,
+            rows,
+            with_entropy,
+            entropy_grad,
+            vocab_size or padded,
+        )
+        return logprobs, (entropy if with_entropy else None)
     rows = rows_per_chunk or chunk_rows(weight.shape[0], device=hidden.device)
     entropy_grad = entropy_grad and with_entropy and torch.is_grad_enabled()
     logprobs, entropy = _ChunkedLogprobs.apply(

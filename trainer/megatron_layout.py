@@ -121,3 +121,63 @@ def from_megatron(
             yield prefix + _LAYER_NAMES_BACK[inner], tensor
         else:
             raise KeyError(f"no model name for megatron parameter {name!r}")
+
+
+# Tensor parallelism: how megatron's parallel layers split each weight over the ranks of a TP group.
+_COLUMN = ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def tp_partition(name: str) -> tuple[int, bool] | None:
+    """(the dimension megatron splits, whether it is a gated fc1) for a megatron parameter name; None where
+    every rank holds the whole tensor (norms). Column-parallel weights split their output rows (q/k/v by
+    query group, thanks to the per-group layout; a gated fc1 splits gate and up separately, so each rank holds
+    [gate_r; up_r]); row-parallel ones their input columns; the embedding and output layer the vocabulary."""
+    if name in _VOCAB:
+        return 0, False
+    match = _MEGATRON_LAYER.match(name)
+    inner = match.group(2) if match is not None else ""
+    if inner in _COLUMN:
+        return 0, inner == "mlp.linear_fc1.weight"
+    if inner in _ROW:
+        return 1, False
+    return None
+
+
+def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP rank `rank`'s part of a whole megatron tensor (a view where it can be)."""
+    part = tp_partition(name)
+    if part is None or size == 1:
+        return full
+    dim, gated = part
+    if gated:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    if full.shape[dim] % size:
+        raise ValueError(
+            f"{name}: dimension {dim} of {tuple(full.shape)} does not split over {size} TP ranks"
+        )
+    return full.chunk(size, dim=dim)[rank]
+
+
+def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor from every TP rank's part, in rank order (the inverse of `tp_shard`)."""
+    part = tp_partition(name)
+    if part is None or len(shards) == 1:
+        return shards[0]
+    dim, gated = part
+    if gated:
+        gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards))
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+_PARTIAL_GRADIENT = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+
+
+def tp_partial_gradient(name: str) -> bool:
+    """Whether a whole (unsplit) parameter's gradient is only this TP rank's share: the q/k norms' weights are
+    applied to every head, and each rank holds some of the heads."""
+    match = _MEGATRON_LAYER.match(name)
+    return match is not None and match.group(2) in _PARTIAL_GRADIENT

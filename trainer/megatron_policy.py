@@ -20,8 +20,10 @@ megatron_layout.py), with the checksum proving both sides agree after every step
 
 The same code runs on CPU (CI, debugging) and CUDA: megatron-core's CUDA-only paths (its causal mask, RoPE
 table and router gating, which moves the router weight to the current GPU) are among those replaced.
-Tensor, pipeline and expert parallelism are not wired yet (one model replica per process; data parallelism
-over processes works as for the torch backend).
+Tensor parallelism (`tensor_parallel`, dense models): megatron's parallel layers hold this rank's parts;
+`load_from` splits whole weights, `gather`/`engine_weights` put them back together, and the LM head's
+logprobs are vocabulary-parallel (vocab_parallel.py). Pipeline and expert parallelism are not wired;
+replicas are data-parallel as with the torch backend.
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ from miles.models.attention import AttentionContext
 from miles.models.layers import RotaryEmbedding
 from miles.models.model import ForwardOutput
 from miles.trainer.megatron_experts import GroupedExperts
-from miles.trainer.megatron_layout import from_megatron, to_megatron
+from miles.trainer.megatron_layout import (
+    from_megatron,
+    to_megatron,
+    tp_partial_gradient,
+    tp_partition,
+    tp_shard,
+    tp_unshard,
+)
 
 # megatron-core warns at import about optional packages (apex, Transformer Engine) and deprecations that
 # concern its own training scripts, not this use; a missing import still raises.
@@ -74,7 +83,7 @@ def require_megatron() -> None:
         )
 
 
-def check_megatron_supports(args: ModelArgs) -> None:
+def check_megatron_supports(args: ModelArgs, tensor_parallel: int = 1) -> None:
     """What this backend's megatron mapping covers; anything else fails at start with what to do."""
     if args.attention_bias or args.mlp_bias:
         raise MilesUserError(
@@ -85,13 +94,31 @@ def check_megatron_supports(args: ModelArgs) -> None:
         raise MilesUserError(
             "trainer.backend=megatron does not apply YaRN's attention scaling; use trainer.backend=torch"
         )
+    if tensor_parallel > 1:
+        if args.num_experts:
+            raise MilesUserError(
+                "trainer.tensor_parallel_size > 1 covers dense models; MoE models train with "
+                "trainer.tensor_parallel_size=1 (data parallelism over placement.num_processes)"
+            )
+        sizes = {
+            "num_attention_heads": args.num_attention_heads,
+            "num_key_value_heads": args.num_key_value_heads,
+            "intermediate_size": args.intermediate_size,
+        }
+        uneven = {k: v for k, v in sizes.items() if v % tensor_parallel}
+        if uneven:
+            raise MilesUserError(
+                f"trainer.tensor_parallel_size={tensor_parallel} must divide the model's {uneven}; "
+                "pick a size that divides them"
+            )
 
 
-def ensure_process_groups(device: torch.device) -> None:
+def ensure_process_groups(device: torch.device, tensor_parallel: int = 1) -> None:
     """megatron-core needs torch.distributed and its model-parallel groups, even in one process.
 
-    A data-parallel run (miles/distributed.py) has its process group already; one process gets a world of
-    one over a file store (no port to pick). Tensor/pipeline/expert sizes are 1: every rank is one replica.
+    A run of several processes (miles/distributed.py) has its process group already; one process gets a
+    world of one over a file store (no port to pick). Megatron's groups: `tensor_parallel` consecutive ranks
+    share one model replica; pipeline and expert sizes are 1.
     """
     import torch.distributed as dist
 
@@ -104,13 +131,21 @@ def ensure_process_groups(device: torch.device) -> None:
             world_size=1,
         )
         atexit.register(_destroy_world_of_one)
+    if dist.get_world_size() % tensor_parallel:
+        raise MilesUserError(
+            f"trainer.tensor_parallel_size={tensor_parallel} must divide the {dist.get_world_size()} processes "
+            "(placement.num_processes)"
+        )
     if parallel_state.model_parallel_is_initialized() and (
-        parallel_state.get_data_parallel_world_size() != dist.get_world_size()
+        parallel_state.get_data_parallel_world_size() * tensor_parallel != dist.get_world_size()
+        or parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
     ):
-        parallel_state.destroy_model_parallel()  # groups of an earlier process group in this process
+        parallel_state.destroy_model_parallel()  # groups of an earlier process group or TP size
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=1,
+            expert_model_parallel_size=1,
         )
     if device.type == "cuda":
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
@@ -120,6 +155,9 @@ def ensure_process_groups(device: torch.device) -> None:
             state = torch.cuda.get_rng_state_all()
             model_parallel_cuda_manual_seed(torch.initial_seed() % (2**31))
             torch.cuda.set_rng_state_all(state)
+
+
+_VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _destroy_world_of_one() -> None:
@@ -181,7 +219,9 @@ class PackedCoreAttention(MegatronModule):
         return out.reshape(query.shape[0], 1, -1)
 
 
-def transformer_config(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> TransformerConfig:
+def transformer_config(
+    args: ModelArgs, dtype: torch.dtype, device: torch.device, tensor_parallel: int = 1
+) -> TransformerConfig:
     moe: dict[str, Any] = {}
     if args.num_experts:
         moe = dict(
@@ -204,6 +244,7 @@ def transformer_config(args: ModelArgs, dtype: torch.dtype, device: torch.device
     return TransformerConfig(
         num_layers=args.num_hidden_layers,
         hidden_size=args.hidden_size,
+        tensor_model_parallel_size=tensor_parallel,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_key_value_heads,
         kv_channels=args.head_dim,
@@ -269,19 +310,32 @@ def _float32_gating(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 class MegatronPolicy(nn.Module):
     """A megatron-core GPTModel with the interface `TorchTrainer` and `packed_logprobs` use."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, args: ModelArgs, dtype: torch.dtype, device: torch.device, tensor_parallel: int = 1
+    ) -> None:
         super().__init__()
         require_megatron()
-        check_megatron_supports(args)
-        ensure_process_groups(device)
+        check_megatron_supports(args, tensor_parallel)
+        ensure_process_groups(device, tensor_parallel)
         self.args = args
+        self.tensor_parallel_size = tensor_parallel
+        self.tensor_parallel_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tensor_parallel_group = (
+            parallel_state.get_tensor_model_parallel_group() if tensor_parallel > 1 else None
+        )
+        """The ranks that hold the parts of this replica (None: the whole model is here)."""
+        self.data_parallel_group = parallel_state.get_data_parallel_group()
+        # The vocabulary splits evenly over the TP ranks once padded with rows no token uses (megatron's
+        # `make_vocab_size_divisible_by`); the padding never leaves the policy: logprobs mask it, and the
+        # weights and optimizer state it gathers are cut back to the model's vocabulary.
+        self.padded_vocab_size = -(-args.vocab_size // tensor_parallel) * tensor_parallel
         self._packing = PackedState()
         with warnings.catch_warnings():  # per-layer deprecation notes about megatron's own argument defaults
             warnings.simplefilter("ignore", DeprecationWarning)
             self.gpt = GPTModel(
-                config=transformer_config(args, dtype, device),
+                config=transformer_config(args, dtype, device, tensor_parallel),
                 transformer_layer_spec=_layer_specs(args, self._packing),
-                vocab_size=args.vocab_size,
+                vocab_size=self.padded_vocab_size,
                 max_sequence_length=args.max_position_embeddings,
                 position_embedding_type="rope",
                 rotary_base=int(args.rope_theta),
@@ -294,9 +348,9 @@ class MegatronPolicy(nn.Module):
         self.to(device)
 
     @classmethod
-    def from_model(cls, model: CausalLM) -> MegatronPolicy:
-        """A megatron copy of `model`'s weights, on its device and in its dtype."""
-        policy = cls(model.args, model.dtype, model.device)
+    def from_model(cls, model: CausalLM, tensor_parallel: int = 1) -> MegatronPolicy:
+        """A megatron copy of `model`'s weights (this TP rank's parts), on its device and in its dtype."""
+        policy = cls(model.args, model.dtype, model.device, tensor_parallel)
         policy.load_from(model)
         return policy
 
@@ -305,7 +359,8 @@ class MegatronPolicy(nn.Module):
         """Copy every weight of `model` in (each megatron parameter must be written exactly once)."""
         own = dict(self.gpt.named_parameters())
         written: set[str] = set()
-        for name, tensor in to_megatron(model.named_parameters(), self.args):
+        for name, whole in to_megatron(model.named_parameters(), self.args):
+            tensor = self.shard(name, whole)
             if name not in own or own[name].shape != tensor.shape:
                 raise KeyError(
                     f"megatron has no parameter {name!r} of shape {tuple(tensor.shape)}"
@@ -317,9 +372,45 @@ class MegatronPolicy(nn.Module):
             raise KeyError(f"megatron parameters left unwritten: {sorted(set(own) - written)[:8]}")
 
     def engine_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights in the engine model's names and layouts (detached; q/k/v regrouped into copies)."""
-        named = ((n, p.detach()) for n, p in self.gpt.named_parameters())
+        """The weights in the engine model's names and layouts (detached; q/k/v regrouped into copies; with
+        tensor parallelism gathered from every TP rank, a collective of the TP group)."""
+        named = ((n, self.gather(n, p.detach())) for n, p in self.gpt.named_parameters())
         return list(from_megatron(named, self.args))
+
+    def is_sharded(self, name: str) -> bool:
+        """Whether TP ranks hold different parts of megatron parameter `name` (else the same whole tensor)."""
+        return self.tensor_parallel_size > 1 and tp_partition(name.removeprefix("gpt.")) is not None
+
+    def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This TP rank's part of a whole tensor laid out like megatron parameter `name`."""
+        name = name.removeprefix("gpt.")  # the policy's own parameter names carry its submodule's
+        pad = self.padded_vocab_size - self.args.vocab_size
+        if pad and name in _VOCAB_PARAMETERS and whole.dim():
+            whole = torch.cat([whole, whole.new_zeros(pad, *whole.shape[1:])])
+        return tp_shard(name, whole, self.tensor_parallel_rank, self.tensor_parallel_size)
+
+    def reduce_tensor_parallel_gradients(self) -> None:
+        """Sum over the TP group the gradients that are each rank's share of a whole parameter's (megatron
+        does this in its `finalize_model_grads`, which this trainer does not run)."""
+        if self.tensor_parallel_size == 1:
+            return
+        import torch.distributed as dist
+
+        for name, param in self.gpt.named_parameters():
+            if param.grad is not None and tp_partial_gradient(name):
+                dist.all_reduce(param.grad, group=self.tensor_parallel_group)
+
+    def gather(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every TP rank's `part` of parameter `name` (a collective of the TP group)."""
+        if not self.is_sharded(name):
+            return part
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(part) for _ in range(self.tensor_parallel_size)]
+        dist.all_gather(parts, part.contiguous(), group=self.tensor_parallel_group)
+        name = name.removeprefix("gpt.")
+        whole = tp_unshard(name, parts)
+        return whole[: self.args.vocab_size] if name in _VOCAB_PARAMETERS else whole
 
     @property
     def lm_head(self) -> nn.Module:

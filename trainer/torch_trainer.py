@@ -91,6 +91,13 @@ class TorchTrainer:
         self.model, self.cfg, self.algorithm, self.ref_model = model, cfg, algorithm, ref_model
         self.temperature = temperature
         self.dp = dp
+        self.tp = SINGLE
+        """The ranks that hold the other parts of this replica (megatron tensor parallelism): they train on
+        the same samples, the union of theirs; `dp` is then the replicas' group, across which gradients sum."""
+        tp_group = getattr(model, "tensor_parallel_group", None)
+        if tp_group is not None:
+            self.tp = dp.within(tp_group)
+            self.dp = dp.within(model.data_parallel_group)
         self.device = model.device
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.sft_loss = get_policy_loss("sft")
@@ -113,6 +120,7 @@ class TorchTrainer:
                 f"RL training needs a sampling temperature > 0 (got {self.temperature}); greedy rollouts have no logprobs"
             )
         start = time.perf_counter()
+        samples = self._tensor_parallel_union(samples)
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
         n = len(samples)
@@ -182,6 +190,7 @@ class TorchTrainer:
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step of masked NLL over the response tokens (temperature 1) on all `samples`."""
         start = time.perf_counter()
+        samples = self._tensor_parallel_union(samples)
         for i, sample in enumerate(samples):
             validate_sample(sample, i)
         if self._positions(samples)[1] == 0:
@@ -229,6 +238,8 @@ class TorchTrainer:
                 group_names.append(name)
                 for key, value in saved["state"].get(idx, {}).items():
                     if isinstance(value, torch.Tensor):
+                        if self.tp.enabled and value.shape == param.shape and self.model.is_sharded(name):
+                            value = self.model.gather(name, value)  # TP-independent checkpoints
                         tensors[f"optimizer.{name}.{key}"] = value.detach().to("cpu").contiguous()
                     else:
                         scalars[f"optimizer.{name}.{key}"] = value
@@ -262,6 +273,8 @@ class TorchTrainer:
             for name in group_meta["param_names"]:
                 prefix = f"optimizer.{name}."
                 entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+                if self.tp.enabled and self.model.is_sharded(name):
+                    entry = {k: self.model.shard(name, v) if v.dim() else v for k, v in entry.items()}
                 entry.update(
                     {k[len(prefix) :]: v for k, v in meta["scalars"].items() if k.startswith(prefix)}
                 )
@@ -442,10 +455,15 @@ class TorchTrainer:
 
     def _apply_update(self, skip: bool) -> dict[str, float]:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self.tp.enabled:
+            self.model.reduce_tensor_parallel_gradients()
         if self.dp.enabled:
             self._sum_gradients(params)
         clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
+        if self.tp.enabled:
+            grad_norm = self._clip_tensor_parallel(clip if clip > 0 else float("inf"))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
         lr = self.lr
         set_lr(self.optimizer, lr)
         skip = skip or not math.isfinite(grad_norm)
@@ -456,6 +474,33 @@ class TorchTrainer:
             self.optimizer.step()
         self.optimizer_steps_done += 1  # the schedule advances either way, so it stays aligned with RL steps
         return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": float(skip)}
+
+    def _tensor_parallel_union(self, samples: list[Sample]) -> list[Sample]:
+        """Every TP rank's samples (the same list on each, ordered by (group, index) as one process's rollout
+        returns them): the ranks of one replica train on one batch. Unchanged without tensor parallelism."""
+        if not self.tp.enabled:
+            return samples
+        union = [s for part in self.tp.all_gather_objects(samples) for s in part]
+        return sorted(union, key=lambda s: (s.group_id, s.index))
+
+    def _clip_tensor_parallel(self, max_norm: float) -> float:
+        """`clip_grad_norm_` over the whole replica: the TP-split parameters' squared norms summed over the TP
+        group, the whole ones (norms; equal on every TP rank) counted once."""
+        split, whole = [], []
+        for name, param in self.model.named_parameters():
+            if param.grad is not None:
+                (split if self.model.is_sharded(name) else whole).append(param.grad)
+        squares = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, grads in enumerate((split, whole)):
+            if grads:
+                squares[i] = sum(g.detach().double().square().sum() for g in grads)
+        self.tp.all_reduce(squares[:1])
+        total = squares.sum().sqrt().item()
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0 and math.isfinite(total):
+            for grads in (split, whole):
+                torch._foreach_mul_(grads, coef)
+        return total
 
     def _positions(self, samples: list[Sample]) -> tuple[list[int], int]:
         """Where each of this rank's samples sits in the whole batch, and the batch's size. One process's

@@ -1,0 +1,145 @@
+"""Logprobs and entropy when the LM head is split over the vocabulary (megatron's tensor parallelism).
+
+Each TP rank holds rows `[rank * V/tp, (rank + 1) * V/tp)` of the output projection, so it computes only
+those logits. The softmax's max and normaliser, the target's logit and the entropy's `sum p z` are
+all-reduced over the TP group, a [rows] vector each; the [rows, vocab] logits never leave their rank. The
+backward recomputes each chunk's local logits from the saved log-normaliser and entropy, and all-reduces the
+hidden-state gradient (every rank's part of `grad @ W`). Chunked like `chunked_logprobs`, whose values and
+gradients these equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    group: Any,
+    temperature: float,
+    rows_per_chunk: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(target), entropy) per row, float32, with `weight` this rank's [V/tp, H] vocabulary rows; rows
+    at or past `vocab_size` (padding that makes the vocabulary split evenly) are left out of the softmax."""
+    entropy_grad = entropy_grad and with_entropy and torch.is_grad_enabled()
+    return _VocabParallelLogprobs.apply(
+        hidden, weight, targets, group, temperature, rows_per_chunk, with_entropy, entropy_grad, vocab_size
+    )
+
+
+_PADDED_LOGIT = -1e30
+"""A padding column's logit: exp() of it is exactly 0, and unlike -inf it keeps 0 * logit finite."""
+
+
+def _local_logits(
+    h: torch.Tensor, w: torch.Tensor, temperature: float, start: int, vocab_size: int
+) -> torch.Tensor:
+    logits = F.linear(h, w).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    padding = start + w.shape[0] - vocab_size
+    if padding > 0:
+        logits[:, w.shape[0] - padding :] = _PADDED_LOGIT
+    return logits
+
+
+def _all_reduce(tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        group: Any,
+        temperature: float,
+        rows: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+        vocab_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, local_vocab = hidden.shape[0], weight.shape[0]
+        start = dist.get_rank(group) * local_vocab
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        log_norm = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        w = weight.to(hidden.dtype)
+        for s in range(0, n, rows):
+            z = _local_logits(hidden[s : s + rows], w, temperature, start, vocab_size)
+            top = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
+            exp = (z - top[:, None]).exp_()
+            total = _all_reduce(exp.sum(dim=-1), group)
+            log_z = top + total.log()
+            local = targets[s : s + rows] - start
+            mine = (local >= 0) & (local < local_vocab)
+            picked = z.gather(-1, local.clamp(0, local_vocab - 1)[:, None]).squeeze(-1) * mine
+            logprobs[s : s + rows] = _all_reduce(picked, group) - log_z
+            log_norm[s : s + rows] = log_z
+            if with_entropy:  # H = log Z - sum_v p_v z_v
+                p_z = _all_reduce((exp * z).sum(dim=-1) / total, group)
+                entropy[s : s + rows] = log_z - p_z
+        ctx.save_for_backward(hidden, weight, targets, log_norm, entropy)
+        ctx.group, ctx.temperature, ctx.rows, ctx.entropy_grad = group, temperature, rows, entropy_grad
+        ctx.vocab_size = vocab_size
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_logprobs: torch.Tensor,
+        grad_entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, log_norm, entropy = ctx.saved_tensors  # type: ignore[attr-defined]
+        group, temperature, rows = ctx.group, ctx.temperature, ctx.rows  # type: ignore[attr-defined]
+        use_entropy = ctx.entropy_grad and grad_entropy is not None  # type: ignore[attr-defined]
+        local_vocab = weight.shape[0]
+        start = dist.get_rank(group) * local_vocab
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        w = weight.to(hidden.dtype)
+        for s in range(0, hidden.shape[0], rows):
+            h = hidden[s : s + rows]
+            log_q = _local_logits(h, w, temperature, start, ctx.vocab_size)  # type: ignore[attr-defined]
+            log_q.sub_(log_norm[s : s + rows, None])
+            q = log_q.exp()
+            # d log q[t] / d z = onehot(t) - q;  d H / d z = -q * (log q + H), on this rank's columns
+            entropy_term = None
+            if use_entropy:
+                scale = grad_entropy[s : s + rows, None]  # type: ignore[index]
+                entropy_term = log_q.add_(entropy[s : s + rows, None]).mul_(q).mul_(scale)
+            g = grad_logprobs[s : s + rows]
+            grad = q.mul_(-g[:, None])
+            local = targets[s : s + rows] - start
+            mine = (local >= 0) & (local < local_vocab)
+            grad.scatter_add_(-1, local.clamp(0, local_vocab - 1)[:, None], (g * mine)[:, None])
+            if entropy_term is not None:
+                grad -= entropy_term
+            del log_q, entropy_term
+            if temperature != 1.0:
+                grad /= temperature
+            grad = grad.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s : s + rows] = grad @ w
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ h).float()
+        if grad_hidden is not None:  # each rank holds its vocabulary rows' share of the sum
+            grad_hidden = _all_reduce(grad_hidden, group)
+        grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_w, None, None, None, None, None, None, None
