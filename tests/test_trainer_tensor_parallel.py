@@ -16,10 +16,13 @@ import torch
 import torch.multiprocessing as mp
 from dp_helpers import make_trainer, scored_samples
 from safetensors.torch import load_file
+from test_loop import run_miles
+from test_trainer_megatron import COMMON
 from tp_helpers import tiny_dense, tp_worker
 
 from miles.distributed import SINGLE
 from miles.errors import MilesUserError
+from miles.tracking import read_records
 from miles.trainer.backends import build_policy
 from miles.trainer.logprobs import packed_logprobs
 from miles.trainer.megatron_layout import to_megatron, tp_partition, tp_shard, tp_unshard
@@ -107,26 +110,15 @@ def test_tensor_parallel_settings_are_checked_at_start() -> None:
 def test_grpo_with_tensor_parallel_follows_data_parallel_and_resumes_at_any_tp_size(tmp_path: Path) -> None:
     # a dense model (the shipped one is MoE) whose 101-token vocabulary is padded to split over 2 ranks;
     # the entropy bonus gives the untrained model's update a gradient while its rewards are all 0
-    from test_loop import run_miles
-
     from miles.models.init_model import main as init_model
-    from miles.tracking import read_records
 
     dense = tmp_path / "dense"
     assert init_model(["--arch", "qwen3", "--preset", "tiny", "--out", str(dense)]) == 0
     common = [
-        "recipe=grpo_math",
+        *COMMON,
         f"model.path={dense}",
         "trainer.backend=megatron",
         "placement.num_processes=2",
-        "trainer.max_steps=2",
-        "trainer.save_every=1",
-        "trainer.eval_every=0",
-        "rollout.rollout_batch_size=4",
-        "rollout.n_samples_per_prompt=4",
-        "trainer.global_batch_size=8",
-        "rollout.deterministic=true",
-        "model.device=cpu",
         "algorithm.entropy_coef=0.01",
     ]
     runs = tmp_path / "runs"

@@ -158,6 +158,32 @@ def _chunk_stats(
     return log_q, log_q.gather(-1, targets[:, None]).squeeze(-1)
 
 
+def logit_gradient(
+    log_q: torch.Tensor,
+    q: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    targets: torch.Tensor,
+    target_grad: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """The gradient of `sum(g * log q[t]) + sum(g_H * H)` with respect to one chunk's logits, computed in
+    place on `log_q` and `q` ([rows, columns] float32): `d log q[t] / d z = onehot(t) - q` and
+    `d H / d z = -q * (log q + H)`, divided by the temperature. `target_grad` is what each row's target
+    column gets (`grad_logprobs`, or 0 where the target lies in another rank's columns)."""
+    entropy_term = None
+    if grad_entropy is not None and entropy is not None:
+        entropy_term = log_q.add_(entropy[:, None]).mul_(q).mul_(grad_entropy[:, None])
+    grad = q.mul_(-grad_logprobs[:, None])
+    grad.scatter_add_(-1, targets[:, None], target_grad[:, None])
+    if entropy_term is not None:
+        grad -= entropy_term
+    if temperature != 1.0:
+        grad /= temperature
+    return grad
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -203,18 +229,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             h = hidden[s : s + rows]
             log_q, _ = _chunk_stats(h, w, targets[s : s + rows], temperature)
             q = log_q.exp()
-            # d log q[t] / d z = onehot(t) - q;  d H / d z = -q * (log q + H), in place on [rows, vocab]
-            entropy_term = None
-            if use_entropy:
-                ent = -(q * log_q).sum(-1, keepdim=True)
-                entropy_term = log_q.add_(ent).mul_(q).mul_(grad_entropy[s : s + rows, None])  # type: ignore[index]
-            grad = q.mul_(-grad_logprobs[s : s + rows, None])
-            grad.scatter_add_(-1, targets[s : s + rows, None], grad_logprobs[s : s + rows, None])
-            if entropy_term is not None:
-                grad -= entropy_term
-            del log_q, entropy_term
-            if temperature != 1.0:
-                grad /= temperature
+            g = grad_logprobs[s : s + rows]
+            ent = -(q * log_q).sum(-1) if use_entropy else None
+            grad_ent = grad_entropy[s : s + rows] if use_entropy else None  # type: ignore[index]
+            grad = logit_gradient(log_q, q, g, targets[s : s + rows], g, ent, grad_ent, temperature)
+            del log_q
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad @ w

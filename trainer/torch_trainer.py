@@ -350,10 +350,9 @@ class TorchTrainer:
         if self.dp.enabled:  # the aggregation's denominators are the whole batch's, over every rank
             tokens, seqs = self.dp.all_reduce_floats([normalizer.num_tokens, normalizer.num_seqs])
             normalizer = LossNormalizer(algo.loss_agg, int(tokens), int(seqs))
+        step = (samples, ids, data, loss_fn, temperature, replay, entropy_coef, normalizer)
         try:
-            sums = self._accumulate_gradients(
-                samples, ids, data, loss_fn, temperature, replay, entropy_coef, normalizer
-            )
+            sums = self._accumulate_gradients(*step)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as err:
@@ -364,9 +363,7 @@ class TorchTrainer:
             # with the eager chains, which compute the same.
             fused.disable_chains(f"{type(err).__name__}: {err}")
             self.fused_kernels = False
-            sums = self._accumulate_gradients(
-                samples, ids, data, loss_fn, temperature, replay, entropy_coef, normalizer
-            )
+            sums = self._accumulate_gradients(*step)
         metrics = self._sum_over_ranks({name: value.item() for name, value in sums.items()})
         metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
         return metrics

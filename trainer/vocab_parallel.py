@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from miles.trainer.logprobs import logit_gradient
+
 
 def vocab_parallel_logprobs(
     hidden: torch.Tensor,
@@ -119,21 +121,20 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             log_q = _local_logits(h, w, temperature, start, ctx.vocab_size)  # type: ignore[attr-defined]
             log_q.sub_(log_norm[s : s + rows, None])
             q = log_q.exp()
-            # d log q[t] / d z = onehot(t) - q;  d H / d z = -q * (log q + H), on this rank's columns
-            entropy_term = None
-            if use_entropy:
-                scale = grad_entropy[s : s + rows, None]  # type: ignore[index]
-                entropy_term = log_q.add_(entropy[s : s + rows, None]).mul_(q).mul_(scale)
             g = grad_logprobs[s : s + rows]
-            grad = q.mul_(-g[:, None])
             local = targets[s : s + rows] - start
             mine = (local >= 0) & (local < local_vocab)
-            grad.scatter_add_(-1, local.clamp(0, local_vocab - 1)[:, None], (g * mine)[:, None])
-            if entropy_term is not None:
-                grad -= entropy_term
-            del log_q, entropy_term
-            if temperature != 1.0:
-                grad /= temperature
+            grad = logit_gradient(
+                log_q,
+                q,
+                g,
+                local.clamp(0, local_vocab - 1),
+                g * mine,  # the target's column is on one rank only
+                entropy[s : s + rows] if use_entropy else None,
+                grad_entropy[s : s + rows] if use_entropy else None,  # type: ignore[index]
+                temperature,
+            )
+            del log_q
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad @ w
