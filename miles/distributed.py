@@ -34,9 +34,9 @@ from miles.sample import Sample
 T = TypeVar("T")
 
 _LAUNCHED_ENV = "MILES_LAUNCHED_BY"
+"""Set in the processes `launch` starts, so they do not launch again."""
 _STORE_ENV = "MILES_STORE_FILE"
 """The file the ranks of `launch` rendezvous in (no TCP port to pick)."""
-"""Set in the processes `launch` starts, so they do not launch again."""
 
 
 @dataclass(frozen=True)

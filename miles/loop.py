@@ -277,8 +277,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         if dp.enabled:  # every rank's (a collective: all ranks are here), written by rank 0
             engine_state = {"ranks": dp.all_gather_objects(engine_state)}
         run_id = tracker.wandb_run_id if tracker is not None and tracker.wandb_run_id else wandb_run_id
-        # With tensor parallelism the optimizer state is gathered from the TP ranks: a collective, here.
-        trainer_state = trainer.state_dict() if trainer.tp.enabled else None
+        # With tensor parallelism the optimizer state is gathered from the TP ranks, a collective: here, by the
+        # TP group of rank 0 (the one that writes it).
+        trainer_state = trainer.state_dict() if trainer.tp.enabled and trainer.dp.rank == 0 else None
         return lambda folder: write_run_state(
             folder,
             step,

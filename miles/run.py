@@ -26,6 +26,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
 
 def check_supported(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
+    from miles import distributed
     from miles.trainer.backends import check_backend
 
     check_backend(config.trainer.backend)
@@ -43,6 +44,11 @@ def check_supported(config: MilesConfig) -> None:
         if tp < 1 or config.trainer.backend != "megatron":
             raise MilesUserError(
                 f"trainer.tensor_parallel_size={tp} needs trainer.backend=megatron and a size >= 1"
+            )
+        if config.placement.num_processes == 1 and distributed.world_from_env() == 1:
+            raise MilesUserError(
+                f"trainer.tensor_parallel_size={tp} splits a replica over {tp} processes: set "
+                f"placement.num_processes to a multiple of {tp} (or start the run under torchrun)"
             )
         if config.placement.num_processes > 1 and config.placement.num_processes % tp:
             raise MilesUserError(

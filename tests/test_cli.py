@@ -68,6 +68,15 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["trainer.backend=deepspeed", "logging.wandb=false"], "trainer.backend=torch or megatron"),
         (["trainer.backend=megatron", "trainer.precision=bf16", "model.device=cpu"], "precision=fp32 on CPU"),
         (["placement.mode=ray", "logging.wandb=false"], "placement.mode=embedded"),
+        (["trainer.tensor_parallel_size=2"], "needs trainer.backend=megatron"),
+        (
+            ["trainer.backend=megatron", "trainer.tensor_parallel_size=2"],
+            "placement.num_processes to a multiple of 2",
+        ),
+        (
+            ["trainer.backend=megatron", "trainer.tensor_parallel_size=2", "placement.num_processes=3"],
+            "must divide placement.num_processes=3",
+        ),
     ],
 )
 def test_user_errors_are_clean(args: list[str], needle: str, tmp_path: Path) -> None:

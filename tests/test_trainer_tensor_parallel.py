@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from dp_helpers import make_trainer, scored_samples
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_loop import run_miles
 from test_trainer_megatron import COMMON
 from tp_helpers import tiny_dense, tp_worker
@@ -95,6 +95,68 @@ def test_tensor_parallel_update_equals_one_process(name: str, tmp_path: Path) ->
     shapes = reports[0]["state_shapes"]
     head = "output_layer" if not case["tied"] else "embedding.word_embeddings"
     assert shapes[f"optimizer.gpt.{head}.weight.exp_avg"] == [case["vocab"], 32]  # no padding rows
+
+
+def _vocab_worker(rank: int, store: str, vocab: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from miles.trainer.logprobs import chunked_logprobs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        hidden = torch.randn(7, 8, generator=gen, dtype=torch.float64)
+        weight = torch.randn(vocab, 8, generator=gen, dtype=torch.float64)
+        targets = torch.randint(0, vocab, (7,), generator=gen)
+        padded = torch.cat([weight, weight.new_zeros(-vocab % 2, 8)])
+        part = padded.chunk(2)[rank].clone().requires_grad_(True)
+        h = hidden.clone().requires_grad_(True)
+        lp, ent = chunked_logprobs(
+            h, part, targets, 0.7, True, True, rows_per_chunk=3, group=dist.group.WORLD, vocab_size=vocab
+        )
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        save_file(
+            {"lp": lp.detach(), "ent": ent.detach(), "h": h.grad, "w": part.grad},
+            str(Path(out_dir) / f"vocab{rank}.safetensors"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocabulary_parallel_logprobs_equal_the_whole_vocabulary(tmp_path: Path) -> None:
+    # temperature, the entropy gradient and a padded vocabulary (33 over 2 ranks); float64 inputs, whose
+    # logits both paths compute in float32
+    from miles.trainer.logprobs import chunked_logprobs
+
+    mp.start_processes(
+        _vocab_worker, args=(str(tmp_path / "store"), 33, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(33, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 33, (7,), generator=gen)
+    lp, ent = chunked_logprobs(hidden, weight, targets, 0.7, True, True)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    ranks = [load_file(str(tmp_path / f"vocab{r}.safetensors")) for r in range(2)]
+    for got in ranks:
+        torch.testing.assert_close(got["lp"], lp.detach().float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got["ent"], ent.detach().float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got["h"], hidden.grad, rtol=1e-4, atol=1e-5)  # float32 logits
+    grad_w = torch.cat([ranks[0]["w"], ranks[1]["w"]])
+    torch.testing.assert_close(grad_w[:33], weight.grad, rtol=1e-4, atol=1e-5)
+    assert grad_w[33:].abs().sum() == 0  # the padding row
+
+
+def test_a_shard_of_padding_only_is_left_out_of_the_softmax() -> None:
+    # a vocabulary of 5 over 4 ranks is padded to 8: rank 3's two columns are both padding
+    from miles.trainer.vocab_parallel import _PADDED_LOGIT, _local_logits
+
+    h, w = torch.ones(1, 3), torch.ones(2, 3)
+    assert _local_logits(h, w, 1.0, start=6, vocab_size=5).eq(_PADDED_LOGIT).all()
+    rank2 = _local_logits(h, w, 1.0, start=4, vocab_size=5)[0]
+    assert rank2[0] == 3.0 and rank2[1] == _PADDED_LOGIT
+    assert _local_logits(h, w, 1.0, start=2, vocab_size=5)[0].tolist() == [3.0, 3.0]
 
 
 def _untimed(metrics: dict[str, float]) -> dict[str, float]:

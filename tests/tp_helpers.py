@@ -42,7 +42,9 @@ def tp_worker(rank: int, world: int, tp: int, store: str, case: dict, out_dir: s
         trainer = make_trainer(policy, case, dp)
         mine = dp.shard(samples)  # the loop's split; the TP group trains on the union of its ranks' shares
         metrics = [trainer.train_step(mine) for _ in range(case["steps"])]
-        state = trainer.state_dict()  # whole tensors: a collective of the TP group
+        # whole tensors, a collective of the TP group, kept by TP rank 0: every rank resumes from rank 0's
+        # as from the checkpoint it writes
+        state = dp.broadcast_object(trainer.state_dict())
         resumed = make_trainer(build_policy("megatron", copy.deepcopy(model), tensor_parallel=tp), case, dp)
         resumed.model.load_from(_engine_model(model, trainer.model))
         resumed.load_state_dict(copy.deepcopy(state))

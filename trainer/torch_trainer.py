@@ -105,7 +105,10 @@ class TorchTrainer:
         self.total_optimizer_steps = total_optimizer_steps
         self.optimizer_steps_done = 0
         self.peak_flops = device_peak_flops(self.device, cfg.precision, cfg.peak_flops)
-        self.fused_kernels = use_fused_kernels(cfg.fused_kernels, self.device, cfg.precision)
+        # Only our model's forward has the compiled chains (a megatron policy runs megatron's own kernels).
+        self.fused_kernels = isinstance(model, CausalLM) and use_fused_kernels(
+            cfg.fused_kernels, self.device, cfg.precision
+        )
         self._warned_missing_logprobs = False
 
     def set_total_optimizer_steps(self, total: int) -> None:
@@ -225,7 +228,11 @@ class TorchTrainer:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """{"tensors": {name: tensor} (safetensors-ready), "meta": JSON-able dict} for optimizer + schedule."""
+        """{"tensors": {name: tensor} (safetensors-ready), "meta": JSON-able dict} for optimizer + schedule.
+
+        With tensor parallelism a collective of the TP group, whose rank 0 alone keeps the whole tensors (the
+        others' "tensors" come back empty)."""
+        keep = self.tp.rank == 0
         names = {id(p): name for name, p in self.model.named_parameters()}
         saved = self.optimizer.state_dict()
         tensors: dict[str, torch.Tensor] = {}
@@ -240,7 +247,8 @@ class TorchTrainer:
                     if isinstance(value, torch.Tensor):
                         if self.tp.enabled and value.shape == param.shape and self.model.is_sharded(name):
                             value = self.model.gather(name, value)  # TP-independent checkpoints
-                        tensors[f"optimizer.{name}.{key}"] = value.detach().to("cpu").contiguous()
+                        if keep:
+                            tensors[f"optimizer.{name}.{key}"] = value.detach().to("cpu").contiguous()
                     else:
                         scalars[f"optimizer.{name}.{key}"] = value
             hyper = {
@@ -554,7 +562,9 @@ class TorchTrainer:
             "train/tokens_per_s": fed_total * epochs / seconds,
         }
         if self.peak_flops is not None:
-            metrics["train/mfu"] = flops / seconds / (self.peak_flops * self.dp.world_size)
+            # every replica's FLOPs, on its TP group's devices
+            devices = self.dp.world_size * self.tp.world_size
+            metrics["train/mfu"] = flops / seconds / (self.peak_flops * devices)
         return metrics
 
 

@@ -50,7 +50,7 @@ def _local_logits(
         logits = logits / temperature
     padding = start + w.shape[0] - vocab_size
     if padding > 0:
-        logits[:, w.shape[0] - padding :] = _PADDED_LOGIT
+        logits[:, max(w.shape[0] - padding, 0) :] = _PADDED_LOGIT
     return logits
 
 
@@ -111,7 +111,11 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         use_entropy = ctx.entropy_grad and grad_entropy is not None  # type: ignore[attr-defined]
         local_vocab = weight.shape[0]
         start = dist.get_rank(group) * local_vocab
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        # every rank's share of grad @ W, summed in float32 (bf16 partials cancel)
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:
+            sum_dtype = torch.promote_types(hidden.dtype, torch.float32)
+            grad_hidden = torch.zeros(hidden.shape, dtype=sum_dtype, device=hidden.device)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -140,7 +144,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 grad_hidden[s : s + rows] = grad @ w
             if grad_weight is not None:
                 grad_weight += (grad.t() @ h).float()
-        if grad_hidden is not None:  # each rank holds its vocabulary rows' share of the sum
-            grad_hidden = _all_reduce(grad_hidden, group)
+        if grad_hidden is not None:
+            grad_hidden = _all_reduce(grad_hidden, group).to(hidden.dtype)
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_w, None, None, None, None, None, None, None
