@@ -89,3 +89,30 @@ def test_buckets_respect_the_size_limit() -> None:
     buckets = list(iter_buckets(named, bucket_bytes=1000))
     assert [len(b) for b in buckets] == [2] * 5
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+
+
+def test_converted_weights_stream_through_one_bucket_at_a_time() -> None:
+    # a trainer with its own model definition (the megatron backend) hands its converted tensors over as a
+    # stream: the sync never holds more than a bucket of them, and still checks every one
+    trainer, engine = tiny_model(0), CopyingEngine(tiny_model(1))
+    produced: list[int] = []
+
+    class Converting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = trainer
+
+        def iter_engine_weights(self):
+            for name, param in trainer.named_parameters():
+                produced.append(engine.buckets)  # how many buckets the engine had taken by then
+                yield name, param.detach() * 1.0  # a converted copy
+
+    result = InProcessWeightSync(Converting(), engine, bucket_bytes=4096).sync(version=1)
+    assert result.checksum_ok and engine.buckets > 2
+    # each tensor was converted while the engine was at most a bucket behind the one it goes into (bucket
+    # b is handed over once the first tensor of b + 1 is in hand), never a whole model behind
+    named = [(n, p.detach()) for n, p in trainer.named_parameters()]
+    bucket_of = [b for b, bucket in enumerate(iter_buckets(named, 4096), start=1) for _ in bucket]
+    assert len(bucket_of) == len(produced) and bucket_of[-1] == engine.buckets
+    assert all(b - p <= 2 for b, p in zip(bucket_of, produced)), list(zip(bucket_of, produced))
+    assert result.fingerprints == fingerprints(trainer.named_parameters())

@@ -35,6 +35,7 @@ import os
 import tempfile
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -372,10 +373,15 @@ class MegatronPolicy(nn.Module):
             raise KeyError(f"megatron parameters left unwritten: {sorted(set(own) - written)[:8]}")
 
     def engine_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights in the engine model's names and layouts (detached; q/k/v regrouped into copies; with
-        tensor parallelism gathered from every TP rank, a collective of the TP group)."""
+        """The weights in the engine model's names and layouts, all at once (`iter_engine_weights`)."""
+        return list(self.iter_engine_weights())
+
+    def iter_engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights in the engine model's names and layouts, one at a time (detached; q/k/v regrouped
+        into copies; with tensor parallelism gathered from every TP rank: a collective of the TP group,
+        which every rank must run to the end)."""
         named = ((n, self.gather(n, p.detach())) for n, p in self.gpt.named_parameters())
-        return list(from_megatron(named, self.args))
+        return from_megatron(named, self.args)
 
     def is_sharded(self, name: str) -> bool:
         """Whether TP ranks hold different parts of megatron parameter `name` (else the same whole tensor)."""

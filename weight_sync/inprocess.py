@@ -2,15 +2,15 @@
 
 When the engine runs the trainer's own module (same dtype and device) nothing is copied: the sync only
 bumps the version and flushes the engine's prefix cache. Otherwise tensors are copied (and cast) in buckets:
-the trainer's parameters, or with another model definition (the megatron backend) its `engine_weights()`,
-its weights converted to the engine model's names and layouts.
+the trainer's parameters, or with another model definition (the megatron backend) the stream of its
+`iter_engine_weights()`, its weights converted (and gathered) into the engine model's names and layouts.
 A checksum of both sides proves they agree after every sync.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +39,7 @@ class SyncResult:
 
 
 def iter_buckets(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -69,31 +69,44 @@ class InProcessWeightSync:
     def shares_weights(self) -> bool:
         return self.engine.model is self.trainer_model
 
-    def _named(self) -> list[tuple[str, torch.Tensor]]:
-        export = getattr(self.trainer_model, "engine_weights", None)
+    def _named(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The trainer's weights in the engine's names: a stream where the trainer converts (or gathers)
+        them, so the sync holds one bucket of converted tensors at a time, not a second copy of the model."""
+        export = getattr(self.trainer_model, "iter_engine_weights", None)
         if export is not None:
             return export()
         return [(n, p.detach()) for n, p in self.trainer_model.named_parameters()]
 
     def sync(self, version: int) -> SyncResult:
         start = time.perf_counter()
-        named = self._named()
+        engine_dtype = self.engine.model.dtype
+        expected: dict[str, int] = {}
+        own: dict[str, int] = {}
+        moved = 0
+
+        def passing(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            """Each tensor on its way to the engine, counted and fingerprinted (as the engine will store it,
+            and bit for bit in its own dtype for the replicas' comparison)."""
+            nonlocal moved
+            for name, tensor in named:
+                moved += tensor.numel() * engine_dtype.itemsize
+                if self.verify:
+                    expected[name] = fingerprints([(name, tensor)], dtype=engine_dtype)[name]
+                    same = tensor.dtype == engine_dtype
+                    own[name] = expected[name] if same else fingerprints([(name, tensor)])[name]
+                yield name, tensor
+
         if self.shares_weights:
-            moved = 0
             self.engine.update_weights([], version)
+            for _ in passing(self._named()):
+                pass
+            moved = 0
         else:
-            moved = sum(t.numel() * self.engine.model.dtype.itemsize for _, t in named)
-            self.engine.update_weights(iter_buckets(named, self.bucket_bytes), version)
+            self.engine.update_weights(iter_buckets(passing(self._named()), self.bucket_bytes), version)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         mismatched: list[str] = []
-        own: dict[str, int] = {}
         if self.verify:
-            engine_dtype = self.engine.model.dtype
-            expected = fingerprints(named, dtype=engine_dtype)
-            actual = fingerprints(self.engine.model.named_parameters())
-            mismatched = compare(expected, actual)
-            same_dtype = all(t.dtype == engine_dtype for _, t in named)
-            own = expected if same_dtype else fingerprints(named)
+            mismatched = compare(expected, fingerprints(self.engine.model.named_parameters()))
         return SyncResult(version, seconds, moved, not mismatched, mismatched, own)
