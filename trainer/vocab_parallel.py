@@ -54,6 +54,13 @@ def _local_logits(
     return logits
 
 
+def _local_targets(targets: torch.Tensor, start: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's column in this rank's slice, clamped into it; whether the target lies in the slice)."""
+    local = targets - start
+    mine = (local >= 0) & (local < local_vocab)
+    return local.clamp(0, local_vocab - 1), mine
+
+
 def _all_reduce(tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
@@ -85,9 +92,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             exp = (z - top[:, None]).exp_()
             total = _all_reduce(exp.sum(dim=-1), group)
             log_z = top + total.log()
-            local = targets[s : s + rows] - start
-            mine = (local >= 0) & (local < local_vocab)
-            picked = z.gather(-1, local.clamp(0, local_vocab - 1)[:, None]).squeeze(-1) * mine
+            local, mine = _local_targets(targets[s : s + rows], start, local_vocab)
+            picked = z.gather(-1, local[:, None]).squeeze(-1) * mine
             logprobs[s : s + rows] = _all_reduce(picked, group) - log_z
             log_norm[s : s + rows] = log_z
             if with_entropy:  # H = log Z - sum_v p_v z_v
@@ -126,13 +132,12 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             log_q.sub_(log_norm[s : s + rows, None])
             q = log_q.exp()
             g = grad_logprobs[s : s + rows]
-            local = targets[s : s + rows] - start
-            mine = (local >= 0) & (local < local_vocab)
+            local, mine = _local_targets(targets[s : s + rows], start, local_vocab)
             grad = logit_gradient(
                 log_q,
                 q,
                 g,
-                local.clamp(0, local_vocab - 1),
+                local,
                 g * mine,  # the target's column is on one rank only
                 entropy[s : s + rows] if use_entropy else None,
                 grad_entropy[s : s + rows] if use_entropy else None,  # type: ignore[index]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.weight_sync.checksum import compare, fingerprints
+from miles.weight_sync.checksum import compare, fingerprints, tensor_fingerprint
 
 
 @dataclass
@@ -91,9 +91,9 @@ class InProcessWeightSync:
             for name, tensor in named:
                 moved += tensor.numel() * engine_dtype.itemsize
                 if self.verify:
-                    expected[name] = fingerprints([(name, tensor)], dtype=engine_dtype)[name]
+                    expected[name] = tensor_fingerprint(tensor.to(engine_dtype))
                     same = tensor.dtype == engine_dtype
-                    own[name] = expected[name] if same else fingerprints([(name, tensor)])[name]
+                    own[name] = expected[name] if same else tensor_fingerprint(tensor)
                 yield name, tensor
 
         if self.shares_weights:
