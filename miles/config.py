@@ -85,7 +85,11 @@ class RolloutConfig:
     kv_cache_bytes: int = 256 * 1024 * 1024
     """KV pool size on CPU (bytes)."""
     kv_cache_fraction: float = 0.5
-    """KV pool size on GPU as a fraction of free memory after weights."""
+    """KV pool size on GPU as a fraction of the memory free after the weights, less what the colocated
+    trainer will allocate at its first update (optimizer moments and gradients)."""
+    release_kv_during_train: bool = False
+    """GPU: free the KV pool while the trainer updates, so the update's activations can use that memory
+    (allocated again, empty, for the next rollout; CUDA graphs are then captured again on first use)."""
     page_size: int = 1
     """KV page size in tokens."""
     radix_cache: bool = True
@@ -168,7 +172,11 @@ class TrainerConfig:
     epochs_per_rollout: int = 1
     """Passes over each rollout batch (PPO epochs)."""
     precision: str = "fp32"
-    """fp32 | bf16 (autocast)."""
+    """fp32 | bf16 (autocast over float32 weights). With model.dtype=bfloat16 the forward is bf16 either way."""
+    master_weights: bool = True
+    """With bf16 weights (model.dtype=bfloat16): AdamW updates float32 copies, gradients are summed in
+    float32, and each step's result is rounded into the weights the engine samples from; false updates the
+    bf16 weights in place (an update below a weight's rounding step, ~0.4 % of it, is then lost)."""
     tensor_parallel_size: int = 1
     """megatron backend: processes that split one model replica's layers (megatron's tensor parallelism; a
     divisor of placement.num_processes); the replicas are data-parallel. 1: each process holds a replica."""

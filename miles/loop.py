@@ -197,7 +197,18 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         ref_model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed).model
         ref_model.requires_grad_(False)
         dp.broadcast_module(ref_model)
-    engine = Engine(model, tokenizer, cfg.rollout)
+    policy = build_policy(
+        cfg.trainer.backend,
+        model,
+        cfg.trainer.routing_replay,
+        cfg.trainer.precision,
+        cfg.trainer.tensor_parallel_size,
+    )
+    trainer = TorchTrainer(
+        policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
+    )
+    # The KV pool takes its fraction of the memory the trainer's first update will not need (colocated).
+    engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes())
     generate, multiturn = engine.generate, None
     if cfg.rollout.generate_fn:
         if cfg.trainer.routing_replay:
@@ -209,17 +220,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         fn = plugins.load(spec, "rollout.generate_fn")
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
         generate = multiturn.generate
-    policy = build_policy(
-        cfg.trainer.backend,
-        model,
-        cfg.trainer.routing_replay,
-        cfg.trainer.precision,
-        cfg.trainer.tensor_parallel_size,
-    )
-    trainer = TorchTrainer(
-        policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
-    )
     sync = InProcessWeightSync(policy, engine)  # after it, `model` holds the trainer's weights
+    release_kv = cfg.rollout.release_kv_during_train and engine.device.type == "cuda"
     rewards = RewardRunner(cfg.reward, engine=engine)
     params = SamplingParams(
         n=cfg.rollout.n_samples_per_prompt,
@@ -336,10 +338,16 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
 
             t = time.perf_counter()
             metrics["train/dropped_samples"] = float(len(everyone) - len(usable))
-            if usable:
-                metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
-            else:
-                log.warning("step %d: no sample has a response; skipping the update", step)
+            if release_kv:
+                engine.release_memory()
+            try:
+                if usable:
+                    metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
+                else:
+                    log.warning("step %d: no sample has a response; skipping the update", step)
+            finally:
+                if release_kv:
+                    engine.resume_memory()
             own["time/train"] = time.perf_counter() - t
 
             result = sync.sync(version=step)

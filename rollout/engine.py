@@ -131,7 +131,12 @@ class _Launched:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Any | None, cfg: RolloutConfig) -> None:
+    def __init__(
+        self, model: CausalLM, tokenizer: Any | None, cfg: RolloutConfig, reserve_bytes: int = 0
+    ) -> None:
+        """`reserve_bytes`: device memory that others will allocate later (a colocated trainer's optimizer
+        state and gradients), left out of the free memory the KV pool takes its fraction of (GPU)."""
+        self._reserve_bytes = max(0, int(reserve_bytes))
         if cfg.page_size < 1:
             raise ValueError(f"rollout.page_size must be >= 1, got {cfg.page_size}")
         if cfg.cuda_graph_piecewise_min_batch < 0:
@@ -267,6 +272,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
+            free = max(0, free - self._reserve_bytes)
             return layout.pages_for_bytes(int(free * self.cfg.kv_cache_fraction))
         return layout.pages_for_bytes(self.cfg.kv_cache_bytes)
 
@@ -564,6 +570,8 @@ class Engine:
     def resume_memory(self) -> None:
         if not self._released:
             return
+        if self.device.type == "cuda":  # the trainer's freed blocks, cached in pieces, make room for the pool
+            torch.cuda.empty_cache()
         self.pool.allocate()
         self._released = False
 

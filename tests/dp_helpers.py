@@ -67,17 +67,17 @@ def train_worker(rank: int, world: int, port: int, case: dict, out_dir: str) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         dp = DataParallel(rank=rank, world_size=world, local_rank=rank)
-        model = tiny_moe()
+        model = tiny_moe().to(getattr(torch, case.get("dtype", "float32")))
         trainer = make_trainer(model, case, dp)
         samples = scored_samples(case["num_samples"])
         shards = case.get("shards")
         mine = [samples[i] for i in shards[rank]] if shards else dp.shard(samples)
         metrics = [trainer.train_step(mine) for _ in range(case.get("steps", 1))]
         out = Path(out_dir)
-        save_file(
-            {k: v.detach().contiguous() for k, v in model.state_dict().items()},
-            str(out / f"rank{rank}.safetensors"),
-        )
+        tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if trainer.masters is not None:
+            tensors.update({f"master.{k}": v.contiguous() for k, v in trainer.masters.named_masters()})
+        save_file(tensors, str(out / f"rank{rank}.safetensors"))
         (out / f"rank{rank}.json").write_text(json.dumps(metrics))
     finally:
         dist.destroy_process_group()

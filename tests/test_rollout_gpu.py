@@ -917,3 +917,25 @@ def test_bench_moe_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
     for row in report["results"]:
         assert all(v > 0 for v in row["ms_per_layer"].values()), row
         assert row["fused_vs_grouped_rel_err"] < 1e-2, row
+
+
+def test_the_kv_pool_leaves_the_reserved_memory_free() -> None:
+    """`reserve_bytes` (a colocated trainer's optimizer state and gradients to come) is left out of the free
+    memory the pool takes its fraction of; a released pool comes back as large."""
+    import gc
+
+    model = gpu_model(False)
+    cfg = config(backend="torch", kv_cache_fraction=0.1)
+    reserve = 16 << 30
+    sizes = []
+    for reserved in (0, reserve):
+        gc.collect()  # earlier tests' engines, freed late, would change the free memory between the two
+        torch.cuda.empty_cache()
+        engine = Engine(model, None, cfg, reserve_bytes=reserved)
+        sizes.append(engine.pool.nbytes)
+        engine.release_memory()
+        engine.resume_memory()
+        assert engine.pool.nbytes == sizes[-1]
+        assert len(engine.generate(PROMPTS[:2], GREEDY)) == 2
+        del engine
+    assert sizes[0] - sizes[1] == pytest.approx(0.1 * reserve, rel=0.02)

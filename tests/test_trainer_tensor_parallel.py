@@ -97,6 +97,31 @@ def test_tensor_parallel_update_equals_one_process(name: str, tmp_path: Path) ->
     assert shapes[f"optimizer.gpt.{head}.weight.exp_avg"] == [case["vocab"], 32]  # no padding rows
 
 
+def test_tensor_parallel_bf16_master_weights_resume_bit_for_bit(tmp_path: Path) -> None:
+    """bf16 weights split over TP=2 with float32 masters (each rank's part): the checkpoint holds the whole
+    masters, a resumed trainer takes the same step bit for bit, and the update follows one process's."""
+    case = {"vocab": 32, "world": 2, "tied": False, "steps": 1, "global_batch_size": 6, "dtype": "bfloat16"}
+    case.update(num_samples=6, loss_agg="token_mean")
+    mp.start_processes(
+        tp_worker, args=(2, 2, str(tmp_path / "store"), case, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    model = tiny_dense(case["tied"], case["vocab"]).to(torch.bfloat16)
+    trainer = make_trainer(model, case, SINGLE)
+    expected = [trainer.train_step(scored_samples(case["num_samples"])) for _ in range(2)]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    mine = reports[0]["metrics"] + [reports[0]["after"][0]]
+    for step, (got, want) in enumerate(zip(mine, expected)):  # bf16 forwards: their rounding differs
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert got[key] == pytest.approx(want[key], rel=3e-2, abs=1e-6), (step, key)
+    assert _untimed(reports[0]["after"][1]) == _untimed(reports[0]["after"][0])
+    got = load_file(str(tmp_path / "rank0.safetensors"))
+    for key in model.state_dict():
+        assert torch.equal(got[f"resumed.{key}"], got[f"w.{key}"]), key
+    shapes = reports[0]["state_shapes"]
+    assert shapes["master.gpt.output_layer.weight"] == [case["vocab"], 32]  # whole, float32 in the file
+    assert shapes["master.gpt.decoder.layers.0.mlp.linear_fc1.weight"] == [128, 32]
+
+
 def _vocab_worker(rank: int, store: str, vocab: int, out_dir: str) -> None:
     import torch.distributed as dist
 

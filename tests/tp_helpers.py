@@ -32,7 +32,7 @@ def tp_worker(rank: int, world: int, tp: int, store: str, case: dict, out_dir: s
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         dp = DataParallel(rank=rank, world_size=world, local_rank=rank)
-        model = tiny_dense(case["tied"], case["vocab"])
+        model = tiny_dense(case["tied"], case["vocab"]).to(getattr(torch, case.get("dtype", "float32")))
         policy = build_policy("megatron", copy.deepcopy(model), tensor_parallel=tp)
         samples = scored_samples(case["num_samples"])
         out = Path(out_dir)

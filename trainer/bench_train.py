@@ -44,6 +44,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--precision", default="bf16", help="fp32 | bf16 (autocast over float32 weights)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="the weights' dtype: float32 | bfloat16 (bf16 weights, as the engine runs them, with float32 "
+        "master weights in the optimizer; --no-master-weights updates them in place)",
+    )
+    p.add_argument("--no-master-weights", action="store_true")
     p.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up update")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -62,10 +69,10 @@ def build_model(a: argparse.Namespace, device: torch.device) -> CausalLM:
         args = preset_args(a.arch, a.model)
         if a.layers:
             args = replace(args, num_hidden_layers=min(a.layers, args.num_hidden_layers))
-        return build_random_model(args, "float32", device, seed=a.seed)
+        return build_random_model(args, a.dtype, device, seed=a.seed)
     from miles.models import from_pretrained
 
-    return from_pretrained(a.model, dtype="float32").to(device)
+    return from_pretrained(a.model, dtype=a.dtype).to(device)
 
 
 def random_samples(a: argparse.Namespace, vocab: int) -> list[Sample]:
@@ -91,6 +98,7 @@ def bench_backend(
         global_batch_size=len(samples),
         micro_batch_tokens=a.micro_batch_tokens,
         precision=a.precision,
+        master_weights=not a.no_master_weights,
         lr=1e-6,
     )
     policy = build_policy(backend, model, precision=a.precision)
@@ -169,13 +177,16 @@ def main(argv: list[str]) -> int:
         "parameters": params,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": a.precision,
+        "dtype": a.dtype,
+        "master_weights": a.dtype != "float32" and not a.no_master_weights,
         "samples": a.samples,
         "tokens_per_sample": a.prompt_len + a.response_len,
         "results": results,
     }
     print(json.dumps(report))
     print(
-        f"\n{a.model} ({params / 1e9:.2f} B parameters, {model.args.num_hidden_layers} layers), {a.precision}"
+        f"\n{a.model} ({params / 1e9:.2f} B parameters, {model.args.num_hidden_layers} layers), "
+        f"{a.dtype} weights{' + float32 masters' if report['master_weights'] else ''}, {a.precision}"
     )
     print("| backend | s / update | tokens/s | MFU | peak memory | first loss | first grad norm |")
     print("|---|---|---|---|---|---|---|")

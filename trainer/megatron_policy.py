@@ -35,7 +35,7 @@ import os
 import tempfile
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -345,6 +345,11 @@ class MegatronPolicy(nn.Module):
         for module in self.gpt.modules():
             if hasattr(module, "gating") and hasattr(module, "routing"):  # megatron's MoE routers
                 module.gating = types.MethodType(_float32_gating, module)
+        # Megatron's local-spec norms are built in float32 whatever `params_dtype` says (its Float16Module
+        # casts them in megatron's own training loop): held in the model's dtype, as the engine runs them.
+        for param in self.gpt.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
         self.rotary = RotaryEmbedding(args)
         self.to(device)
 
@@ -395,16 +400,17 @@ class MegatronPolicy(nn.Module):
             whole = torch.cat([whole, whole.new_zeros(pad, *whole.shape[1:])])
         return tp_shard(name, whole, self.tensor_parallel_rank, self.tensor_parallel_size)
 
-    def reduce_tensor_parallel_gradients(self) -> None:
-        """Sum over the TP group the gradients that are each rank's share of a whole parameter's (megatron
-        does this in its `finalize_model_grads`, which this trainer does not run)."""
+    def reduce_tensor_parallel_gradients(self, named_grads: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Sum over the TP group the gradients (by this module's parameter names: the parameters' own, or
+        their float32 master copies') that are each rank's share of a whole parameter's (megatron does this
+        in its `finalize_model_grads`, which this trainer does not run)."""
         if self.tensor_parallel_size == 1:
             return
         import torch.distributed as dist
 
-        for name, param in self.gpt.named_parameters():
-            if param.grad is not None and tp_partial_gradient(name):
-                dist.all_reduce(param.grad, group=self.tensor_parallel_group)
+        for name, grad in named_grads:
+            if tp_partial_gradient(name.removeprefix("gpt.")):
+                dist.all_reduce(grad, group=self.tensor_parallel_group)
 
     def gather(self, name: str, part: torch.Tensor) -> torch.Tensor:
         """The whole tensor from every TP rank's `part` of parameter `name` (a collective of the TP group)."""

@@ -35,6 +35,7 @@ from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
 from miles.trainer.logprobs import autocast, packed_logprobs, use_fused_kernels
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
+from miles.trainer.master_weights import MasterWeights, wants_master_weights
 from miles.trainer.mfu import device_peak_flops, forward_flops
 from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
 from miles.trainer.packing import MicroBatch, fed_length, pack, response_loss_mask, validate_sample
@@ -101,13 +102,29 @@ class TorchTrainer:
         self.device = model.device
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.sft_loss = get_policy_loss("sft")
-        self.optimizer = build_optimizer(model, cfg)
+        if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+            raise ValueError(
+                "model.dtype=float16 cannot be trained here (the trainer has no loss scaling, and float16 "
+                "gradients underflow without it); use model.dtype=bfloat16"
+            )
+        self.masters = MasterWeights(model) if wants_master_weights(model, cfg.master_weights) else None
+        """Float32 copies of a bf16 model's weights, which the optimizer updates (trainer/master_weights.py)."""
+        trainable = (
+            list(self.masters.named_masters())
+            if self.masters is not None
+            else [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        )
+        self._names = {id(t): name for name, t in trainable}
+        """The parameter name of each tensor the optimizer updates."""
+        self.optimizer = build_optimizer([t for _, t in trainable], cfg)
         self.total_optimizer_steps = total_optimizer_steps
         self.optimizer_steps_done = 0
-        self.peak_flops = device_peak_flops(self.device, cfg.precision, cfg.peak_flops)
+        # bf16 weights compute in bf16 with or without autocast
+        compute = "bf16" if cfg.precision == "bf16" or model.dtype == torch.bfloat16 else "fp32"
+        self.peak_flops = device_peak_flops(self.device, compute, cfg.peak_flops)
         # Only our model's forward has the compiled chains (a megatron policy runs megatron's own kernels).
         self.fused_kernels = isinstance(model, CausalLM) and use_fused_kernels(
-            cfg.fused_kernels, self.device, cfg.precision
+            cfg.fused_kernels, self.device, compute
         )
         self._warned_missing_logprobs = False
 
@@ -233,7 +250,7 @@ class TorchTrainer:
         With tensor parallelism a collective of the TP group, whose rank 0 alone keeps the whole tensors (the
         others' "tensors" come back empty)."""
         keep = self.tp.rank == 0
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        names = self._names
         saved = self.optimizer.state_dict()
         tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, Any] = {}
@@ -255,6 +272,12 @@ class TorchTrainer:
                 k: (list(v) if isinstance(v, tuple) else v) for k, v in saved_group.items() if k != "params"
             }
             groups_meta.append({"hyper": hyper, "param_names": group_names})
+        if self.masters is not None:  # float32 weights the bf16 model alone cannot give back on resume
+            for name, master in self.masters.named_masters():
+                if self.tp.enabled and self.model.is_sharded(name):
+                    master = self.model.gather(name, master)
+                if keep:
+                    tensors[f"master.{name}"] = master.detach().to("cpu").contiguous()
         meta = {
             "optimizer_steps_done": self.optimizer_steps_done,
             "total_optimizer_steps": self.total_optimizer_steps,
@@ -265,7 +288,7 @@ class TorchTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         tensors, meta = state["tensors"], state["meta"]
-        current = _group_param_names(self.model, self.optimizer)
+        current = [[self._names[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
         saved_names = [g["param_names"] for g in meta["param_groups"]]
         if current != saved_names:
             missing = set(sum(current, [])) ^ set(sum(saved_names, []))
@@ -300,9 +323,50 @@ class TorchTrainer:
                 hyper["betas"] = tuple(hyper["betas"])
             groups.append({**hyper, "params": indices})
         self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+        if self.masters is not None:
+            self._load_masters(tensors)
         self.optimizer_steps_done = int(meta["optimizer_steps_done"])
         total = meta.get("total_optimizer_steps")
         self.total_optimizer_steps = None if total is None else int(total)
+
+    @torch.no_grad()
+    def _load_masters(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The saved float32 weights where the checkpoint has them; else the model's (just loaded) own."""
+        self.masters.copy_from_model()  # type: ignore[union-attr]
+        for name, master in self.masters.named_masters():  # type: ignore[union-attr]
+            saved = tensors.get(f"master.{name}")
+            if saved is None:
+                continue
+            if self.tp.enabled and self.model.is_sharded(name):
+                saved = self.model.shard(name, saved)
+            if saved.shape != master.shape:
+                raise ValueError(
+                    f"the checkpoint's master weight {name} has shape {tuple(saved.shape)}, the model's "
+                    f"{tuple(master.shape)}: it was saved for another model"
+                )
+            master.copy_(saved)
+        self.masters.copy_to_model()  # type: ignore[union-attr]
+
+    def memory_reserve_bytes(self) -> int:
+        """Device bytes the trainer will allocate beyond what it holds now: the gradients of an update and,
+        before the first one, AdamW's two moments. A colocated engine sizes its KV pool without them."""
+        total = 0
+        for group in self.optimizer.param_groups:
+            for tensor in group["params"]:
+                if tensor.device.type != "cuda":
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                total += nbytes if self.optimizer.state.get(tensor) else 3 * nbytes
+        return total
+
+    def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """The gradients the optimizer steps on (the master weights' float32 ones, or the model's), by name."""
+        return [
+            (self._names[id(t)], t.grad)
+            for group in self.optimizer.param_groups
+            for t in group["params"]
+            if t.grad is not None
+        ]
 
     # ---- internals ---------------------------------------------------------------------------------
 
@@ -390,6 +454,8 @@ class TorchTrainer:
         """Gradients of one optimizer step's loss over its micro-batches (from zero), and the metric sums."""
         algo = self.algorithm
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:  # a failed pass (the eager retry) may have left some behind
+            self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
             out = packed_logprobs(
@@ -461,7 +527,7 @@ class TorchTrainer:
     def _apply_update(self, skip: bool) -> dict[str, float]:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.tp.enabled:
-            self.model.reduce_tensor_parallel_gradients()
+            self.model.reduce_tensor_parallel_gradients(self._named_grads())
         if self.dp.enabled:
             self._sum_gradients(params)
         clip = self.cfg.optim.grad_clip
@@ -477,6 +543,10 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
+            if self.masters is not None:
+                self.masters.copy_to_model()
+            # Freed now rather than at the next step's start: the engine generates in that memory meanwhile.
+            self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps_done += 1  # the schedule advances either way, so it stays aligned with RL steps
         return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": float(skip)}
 
@@ -492,9 +562,8 @@ class TorchTrainer:
         """`clip_grad_norm_` over the whole replica: the TP-split parameters' squared norms summed over the TP
         group, the whole ones (norms; equal on every TP rank) counted once."""
         split, whole = [], []
-        for name, param in self.model.named_parameters():
-            if param.grad is not None:
-                (split if self.model.is_sharded(name) else whole).append(param.grad)
+        for name, grad in self._named_grads():
+            (split if self.model.is_sharded(name) else whole).append(grad)
         squares = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, grads in enumerate((split, whole)):
             if grads:
@@ -668,8 +737,3 @@ def _summarise(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     summary["train/skipped_steps"] = sum(m["train/skipped_steps"] for m in step_metrics)
     summary["train/optimizer_steps"] = float(len(step_metrics))
     return summary
-
-
-def _group_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
