@@ -192,6 +192,11 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
     loader = PromptLoader(train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
 
+    if cfg.rollout.generate_fn and cfg.trainer.routing_replay:
+        raise MilesUserError(
+            "trainer.routing_replay needs each sample's recorded experts, which a multi-turn sample "
+            "(rollout.generate_fn) does not carry; turn one of them off"
+        )
     ref_model = None
     if cfg.algorithm.kl_coef > 0:
         ref_model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, seed=cfg.trainer.seed).model
@@ -211,11 +216,6 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes())
     generate, multiturn = engine.generate, None
     if cfg.rollout.generate_fn:
-        if cfg.trainer.routing_replay:
-            raise MilesUserError(
-                "trainer.routing_replay needs each sample's recorded experts, which a multi-turn sample "
-                "(rollout.generate_fn) does not carry; turn one of them off"
-            )
         spec = plugins.normalize(cfg.rollout.generate_fn, "rollout.generate_fn")
         fn = plugins.load(spec, "rollout.generate_fn")
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
@@ -338,7 +338,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
 
             t = time.perf_counter()
             metrics["train/dropped_samples"] = float(len(everyone) - len(usable))
-            if release_kv:
+            releasing = release_kv and bool(usable)
+            if releasing:
                 engine.release_memory()
             try:
                 if usable:
@@ -346,7 +347,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 else:
                     log.warning("step %d: no sample has a response; skipping the update", step)
             finally:
-                if release_kv:
+                if releasing:
                     engine.resume_memory()
             own["time/train"] = time.perf_counter() - t
 

@@ -105,7 +105,11 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
                 copy_policy_into(policy, model)
             if evaluating:
                 if engine is None:
-                    engine, rewards = Engine(model, tokenizer, cfg.rollout), RewardRunner(cfg.reward)
+                    # its KV pool leaves the next updates' gradients free
+                    engine = Engine(
+                        model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes()
+                    )
+                    rewards = RewardRunner(cfg.reward)
                 engine.update_weights([], step)
                 eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
                 prompts = dp.shard(test_prompts)

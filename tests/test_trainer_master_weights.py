@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_trainer_torch import make_trainer, random_samples, tiny_model
+from test_trainer_torch import keep_gradients, make_trainer, random_samples, tiny_model
 
 from miles.config import AlgorithmConfig, OptimConfig
 from miles.sample import Sample
+from miles.trainer.master_weights import MasterWeights
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,9 +68,24 @@ def test_small_updates_survive_in_the_masters_and_follow_float32_training() -> N
         assert param.grad is None, name  # each micro-batch's bf16 gradient went into the float32 sum
 
 
-def test_master_gradients_sum_micro_batches_in_float32() -> None:
-    """Many micro-batches give the gradient one micro-batch does (summed in float32: in bf16 the sum of
-    ~20 parts would lose ~2 digits), and the same update."""
+def test_master_gradients_sum_in_float32() -> None:
+    """Each backward's bf16 gradient is added to a float32 sum: 1 + 8 * 2**-10 is exact in float32, while
+    bf16 (8 bits of mantissa) would round each partial sum back to 1."""
+    param = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    module = torch.nn.Module()
+    module.weight = param
+    masters = MasterWeights(module)
+    for scale in [1.0] + [2.0**-10] * 8:
+        (param * scale).sum().backward()
+        assert param.grad is None  # dropped once folded in
+    assert masters.masters[0].grad.dtype == torch.float32
+    assert masters.masters[0].grad.tolist() == [1.0 + 8 * 2.0**-10] * 3
+    masters.remove_hooks()
+    (param * 2.0).sum().backward()  # without the hooks autograd keeps its own bf16 gradient again
+    assert param.grad.dtype == torch.bfloat16 and masters.masters[0].grad.tolist() == [1.0 + 8 * 2.0**-10] * 3
+
+
+def test_many_micro_batches_give_the_update_one_does() -> None:
     start = tiny_model(std=0.2).to(torch.bfloat16)
     grads = []
     for tokens in (4096, 8):
@@ -79,20 +95,14 @@ def test_master_gradients_sum_micro_batches_in_float32() -> None:
             global_batch_size=8,
             micro_batch_tokens=tokens,
         )
-        step = trainer.optimizer.step
-
-        def step_and_keep(*args, trainer=trainer, step=step, **kwargs):  # the gradients are freed after it
-            grads.append({n: m.grad.clone() for n, m in trainer.masters.named_masters()})
-            return step(*args, **kwargs)
-
-        trainer.optimizer.step = step_and_keep
+        kept = keep_gradients(trainer)
         trainer.train_step(scored(8))
+        grads.append(kept[0])
     a, b = grads
     assert all(g.dtype == torch.float32 for g in a.values())
     for name in a:
-        grad_a, grad_b = a[name], b[name]
         # the forward itself is bf16 (its rounding depends on the micro-batch): a few percent apart
-        assert (grad_a - grad_b).norm() <= 0.05 * grad_a.norm() + 1e-6, name
+        assert (a[name] - b[name]).norm() <= 0.05 * a[name].norm() + 1e-6, name
 
 
 def test_master_weights_resume_bit_for_bit_through_safetensors(tmp_path: Path) -> None:
@@ -140,6 +150,12 @@ def test_master_weights_resume_bit_for_bit_through_safetensors(tmp_path: Path) -
     other.load_state_dict(without)
     for name, master in other.masters.named_masters():
         assert torch.equal(master, dict(model.named_parameters())[name].float()), name
+
+    # resumed in float32, the weights themselves take the saved float32 masters (not their bf16 rounding)
+    wide = trainer_for(copy.deepcopy(start).float())
+    wide.load_state_dict(state)
+    for name, param in wide.model.named_parameters():
+        assert torch.equal(param, state["tensors"][f"master.{name}"]), name
 
 
 def test_float32_models_have_no_masters_and_float16_is_refused() -> None:

@@ -100,7 +100,8 @@ def test_tensor_parallel_update_equals_one_process(name: str, tmp_path: Path) ->
 def test_tensor_parallel_bf16_master_weights_resume_bit_for_bit(tmp_path: Path) -> None:
     """bf16 weights split over TP=2 with float32 masters (each rank's part): the checkpoint holds the whole
     masters, a resumed trainer takes the same step bit for bit, and the update follows one process's."""
-    case = {"vocab": 32, "world": 2, "tied": False, "steps": 1, "global_batch_size": 6, "dtype": "bfloat16"}
+    # an odd vocabulary: the padded rows of the masters are cut off when saved and added back when loaded
+    case = {"vocab": 33, "world": 2, "tied": False, "steps": 1, "global_batch_size": 6, "dtype": "bfloat16"}
     case.update(num_samples=6, loss_agg="token_mean")
     mp.start_processes(
         tp_worker, args=(2, 2, str(tmp_path / "store"), case, str(tmp_path)), nprocs=2, start_method="spawn"

@@ -81,6 +81,20 @@ def reference_logprobs(
     return token, -(log_probs.exp() * log_probs).sum(-1)
 
 
+def keep_gradients(trainer: TorchTrainer) -> list[dict[str, torch.Tensor]]:
+    """The gradients each optimizer step of `trainer` takes (the trainer frees them right after), by name."""
+    kept: list[dict[str, torch.Tensor]] = []
+    step = trainer.optimizer.step
+
+    def step_and_keep(*args, **kwargs):
+        tensors = [t for group in trainer.optimizer.param_groups for t in group["params"]]
+        kept.append({trainer._names[id(t)]: t.grad.clone() for t in tensors if t.grad is not None})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = step_and_keep
+    return kept
+
+
 def make_trainer(
     model: CausalLM,
     ref: CausalLM | None = None,
@@ -164,8 +178,10 @@ def test_accumulated_gradients_equal_one_big_batch(mode: str, kl_coef: float, en
             micro_batch_tokens=budget,
             global_batch_size=64,
         )
+        kept = keep_gradients(trainer)
         metrics = trainer.train_step(samples)
-        grads[budget] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads[budget] = kept[0]
+        assert all(p.grad is None for p in model.parameters())  # freed after the update
     reference = copy.deepcopy(base)
     loss = hand_written_loss(reference, ref, samples, mode, kl_coef, entropy_coef)
     loss.backward()

@@ -43,7 +43,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
-    p.add_argument("--precision", default="bf16", help="fp32 | bf16 (autocast over float32 weights)")
+    p.add_argument(
+        "--precision", default="bf16", help="fp32 | bf16 (autocast; bf16 weights compute in bf16 either way)"
+    )
     p.add_argument(
         "--dtype",
         default="float32",

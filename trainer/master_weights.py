@@ -30,7 +30,7 @@ class MasterWeights:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        # A float32 parameter (megatron keeps its norms in float32 in a bf16 model) is its own master.
+        # A float32 parameter (a bf16 model may keep some in float32) is its own master.
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._folder(master))
@@ -42,6 +42,8 @@ class MasterWeights:
     def _folder(master: torch.Tensor):  # noqa: ANN205 - a hook closure
         def fold(param: torch.Tensor) -> None:
             # Summed in float32 as each micro-batch's gradient arrives, so the bf16 one lives only briefly.
+            if param.grad is None:  # another hook on the parameter took it already
+                return
             if master.grad is None:
                 master.grad = param.grad.float()  # type: ignore[union-attr]
             else:

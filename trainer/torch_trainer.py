@@ -323,33 +323,41 @@ class TorchTrainer:
                 hyper["betas"] = tuple(hyper["betas"])
             groups.append({**hyper, "params": indices})
         self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-        if self.masters is not None:
-            self._load_masters(tensors)
+        self._load_masters(tensors)
         self.optimizer_steps_done = int(meta["optimizer_steps_done"])
         total = meta.get("total_optimizer_steps")
         self.total_optimizer_steps = None if total is None else int(total)
 
     @torch.no_grad()
     def _load_masters(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The saved float32 weights where the checkpoint has them; else the model's (just loaded) own."""
-        self.masters.copy_from_model()  # type: ignore[union-attr]
-        for name, master in self.masters.named_masters():  # type: ignore[union-attr]
-            saved = tensors.get(f"master.{name}")
-            if saved is None:
-                continue
-            if self.tp.enabled and self.model.is_sharded(name):
-                saved = self.model.shard(name, saved)
-            if saved.shape != master.shape:
-                raise ValueError(
-                    f"the checkpoint's master weight {name} has shape {tuple(saved.shape)}, the model's "
-                    f"{tuple(master.shape)}: it was saved for another model"
-                )
-            master.copy_(saved)
-        self.masters.copy_to_model()  # type: ignore[union-attr]
+        """The saved float32 weights where the checkpoint has them (a bf16 run's, into the masters or, resumed
+        in float32, into the weights themselves); else the masters take the model's (just loaded) own."""
+        if self.masters is not None:
+            self.masters.copy_from_model()
+        for group in self.optimizer.param_groups:
+            for master in group["params"]:
+                name = self._names[id(master)]
+                self._load_master(name, master, tensors.get(f"master.{name}"))
+        if self.masters is not None:
+            self.masters.copy_to_model()
+
+    def _load_master(self, name: str, master: torch.Tensor, saved: torch.Tensor | None) -> None:
+        if saved is None or master.dtype != torch.float32:
+            return
+        if self.tp.enabled and self.model.is_sharded(name):
+            saved = self.model.shard(name, saved)
+        if saved.shape != master.shape:
+            raise ValueError(
+                f"the checkpoint's master weight {name} has shape {tuple(saved.shape)}, the model's "
+                f"{tuple(master.shape)}: it was saved for another model"
+            )
+        master.copy_(saved)
 
     def memory_reserve_bytes(self) -> int:
         """Device bytes the trainer will allocate beyond what it holds now: the gradients of an update and,
-        before the first one, AdamW's two moments. A colocated engine sizes its KV pool without them."""
+        before the first one, AdamW's two moments. A colocated engine sizes its KV pool without them. An
+        estimate: it counts experts no token may reach, and leaves out short-lived buffers (a gradient's
+        float32 copy as it is folded in, an all-reduce bucket), which the pool's fraction leaves room for."""
         total = 0
         for group in self.optimizer.param_groups:
             for tensor in group["params"]:
