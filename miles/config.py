@@ -252,6 +252,9 @@ class RewardConfig:
     """Address space each reward worker may add past its start-up size (0 = no cap; CUDA in a reward needs 0)."""
     weights: dict[str, float] = field(default_factory=dict)
     """Several rewards combined: {fn: weight}; each is logged as reward/<name>/mean."""
+    score_during_rollout: bool = True
+    """Start the worker pool's rewards of a group as soon as its samples finish generating, while the rest
+    of the batch still generates (single-turn rollouts; the scores are the same either way)."""
     by_data_source: dict[str, str] = field(default_factory=dict)
     """Route samples to a reward by their data_source: {data_source: fn}."""
 

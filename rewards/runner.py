@@ -21,6 +21,7 @@ import threading
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from miles.config import RewardConfig
@@ -139,59 +140,103 @@ class RewardRunner:
         self._logged: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._early: dict[tuple[int, str], tuple[Sample, Future[list[RewardOutcome]], int]] = {}
+        """(id(sample), reward name) -> (the sample, its pool call, its place in the call): `score_early`'s."""
 
     def _placement(self, fn: RewardFunction) -> str:
         if fn.is_async:
             return "async"
         return "local" if fn.in_process or self._pool is None else "pool"
 
+    def score_early(self, samples: list[Sample]) -> None:
+        """Start the worker-pool rewards of samples that finished generating while the rest of the batch still
+        generates (the GPU then does not wait for the graders); the `score` call that gets these same sample
+        objects waits for those results instead of submitting them again. In-process, async and batched
+        rewards run in `score` as before."""
+        if self._pool is None or self._closed or not samples:
+            return
+        with self._lock:
+            groups: dict[str, list[Sample]] = defaultdict(list)
+            by_name: dict[str, RewardFunction] = {}
+            for sample in samples:
+                for component in self._routes.get(sample.data_source, self._default):
+                    fn = component.fn
+                    if not fn.batched and self._placement(fn) == "pool":
+                        groups[fn.name].append(sample)
+                        by_name[fn.name] = fn
+            for name, group in groups.items():
+                future = self._pool.submit(by_name[name], [_slim(s) for s in group], self.timeout_s)
+                for position, sample in enumerate(group):
+                    self._early[(id(sample), name)] = (sample, future, position)
+
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Sets `reward` and `reward_info` on every sample in place and returns reward/* metrics."""
         if self._closed:
             raise RuntimeError("RewardRunner.score() called after close()")
         with self._lock:
-            plans = [self._routes.get(s.data_source, self._default) for s in samples]
-            members: dict[str, list[int]] = defaultdict(list)
-            by_name: dict[str, RewardFunction] = {}
-            for i, plan in enumerate(plans):
-                for component in plan:
-                    members[component.fn.name].append(i)
-                    by_name[component.fn.name] = component.fn
-            calls = []
-            for name, indices in members.items():
-                fn = by_name[name]
-                if fn.batched:
-                    calls.append((fn, indices))
-                elif self._placement(fn) == "pool":  # chunks stream through the workers, timed per sample
-                    size = -(-len(indices) // (CHUNKS_PER_WORKER * self._num_workers))
-                    calls += [(fn, indices[i : i + size]) for i in range(0, len(indices), size)]
-                else:
-                    calls += [(fn, [i]) for i in indices]
-            outcomes: dict[tuple[int, str], RewardOutcome] = {}
+            try:
+                return self._score(samples)
+            finally:
+                self._early.clear()  # started for samples that never came here: nobody waits for them
 
-            def record(fn: RewardFunction, indices: list[int], results: list[RewardOutcome]) -> None:
-                for i, outcome in zip(indices, results):
-                    outcomes[(i, fn.name)] = outcome
+    def _score(self, samples: list[Sample]) -> dict[str, float]:
+        plans = [self._routes.get(s.data_source, self._default) for s in samples]
+        members: dict[str, list[int]] = defaultdict(list)
+        by_name: dict[str, RewardFunction] = {}
+        for i, plan in enumerate(plans):
+            for component in plan:
+                members[component.fn.name].append(i)
+                by_name[component.fn.name] = component.fn
+        calls = []
+        early: list[tuple[RewardFunction, int, Future[list[RewardOutcome]], int]] = []
+        for name, indices in members.items():
+            fn = by_name[name]
+            if self._early and not fn.batched and self._placement(fn) == "pool":
+                rest = []
+                for i in indices:
+                    started = self._early.get((id(samples[i]), name))
+                    if started is not None and started[0] is samples[i]:
+                        early.append((fn, i, started[1], started[2]))
+                    else:
+                        rest.append(i)
+                indices = rest
+                if not indices:
+                    continue
+            if fn.batched:
+                calls.append((fn, indices))
+            elif self._placement(fn) == "pool":  # chunks stream through the workers, timed per sample
+                size = -(-len(indices) // (CHUNKS_PER_WORKER * self._num_workers))
+                calls += [(fn, indices[i : i + size]) for i in range(0, len(indices), size)]
+            else:
+                calls += [(fn, [i]) for i in indices]
+        outcomes: dict[tuple[int, str], RewardOutcome] = {}
 
-            pending = [
-                (fn, indices, self._pool.submit(fn, [_slim(samples[i]) for i in indices], self.timeout_s))
-                for fn, indices in calls
-                if self._placement(fn) == "pool"
-            ]
-            for fn, indices in calls:
-                if self._placement(fn) == "local":
-                    record(
-                        fn, indices, self._local.run_sync(fn, [samples[i] for i in indices], self.timeout_s)
-                    )
-            async_calls = [(fn, indices) for fn, indices in calls if self._placement(fn) == "async"]
-            results = self._local.run_async(
-                [(fn, [samples[i] for i in indices]) for fn, indices in async_calls], self.timeout_s
-            )
-            for (fn, indices), result in zip(async_calls, results):
-                record(fn, indices, result)
-            for fn, indices, future in pending:
-                record(fn, indices, future.result())
-            return self._apply(samples, plans, members, outcomes)
+        def record(fn: RewardFunction, indices: list[int], results: list[RewardOutcome]) -> None:
+            for i, outcome in zip(indices, results):
+                outcomes[(i, fn.name)] = outcome
+
+        pending = [
+            (fn, indices, self._pool.submit(fn, [_slim(samples[i]) for i in indices], self.timeout_s))
+            for fn, indices in calls
+            if self._placement(fn) == "pool"
+        ]
+        for fn, indices in calls:
+            if self._placement(fn) == "local":
+                record(fn, indices, self._local.run_sync(fn, [samples[i] for i in indices], self.timeout_s))
+        async_calls = [(fn, indices) for fn, indices in calls if self._placement(fn) == "async"]
+        results = self._local.run_async(
+            [(fn, [samples[i] for i in indices]) for fn, indices in async_calls], self.timeout_s
+        )
+        for (fn, indices), result in zip(async_calls, results):
+            record(fn, indices, result)
+        for fn, indices, future in pending:
+            record(fn, indices, future.result())
+        for fn, i, future, position in early:
+            record(fn, [i], [future.result()[position]])
+        metrics = self._apply(samples, plans, members, outcomes)
+        if early:
+            metrics["reward/early/num_samples"] = float(len({i for _, i, _, _ in early}))
+        return metrics
 
     def _apply(
         self,

@@ -9,6 +9,7 @@ expose the same loop one step at a time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -282,9 +283,13 @@ class Engine:
 
     # public API ----------------------------------------------------------------------------------
     def generate(
-        self, prompts: list[Sample] | list[list[int]] | list[str], params: SamplingParams
+        self,
+        prompts: list[Sample] | list[list[int]] | list[str],
+        params: SamplingParams,
+        on_finish: Callable[[Sample], None] | None = None,
     ) -> list[Sample]:
-        """`len(prompts) * params.n` samples, prompt-major; blocks until all are finished."""
+        """`len(prompts) * params.n` samples, prompt-major; blocks until all are finished. `on_finish` is
+        called with each sample as it finishes, between engine steps (e.g. to start scoring it)."""
         self._check_request(params)
         rids = []
         for position, prompt in enumerate(prompts):
@@ -296,7 +301,16 @@ class Engine:
             for index in range(params.n):
                 rids.append(self._enqueue(ids, error, params, group_id, index, source, text))
         stalled = 0
-        while any(rid not in self._results for rid in rids):
+        unreported = set(rids) if on_finish is not None else set()
+        results_seen = -1
+        while True:
+            if unreported and len(self._results) != results_seen:  # something finished since the last look
+                results_seen = len(self._results)
+                for rid in sorted(rid for rid in unreported if rid in self._results):
+                    unreported.discard(rid)
+                    on_finish(self._results[rid])  # type: ignore[misc]
+            if all(rid in self._results for rid in rids):
+                break
             progressed = bool(self.step()) or self._last_step_ran
             stalled = 0 if progressed else stalled + 1
             if stalled > _STALL_STEPS:

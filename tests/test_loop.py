@@ -101,6 +101,29 @@ def test_grpo_math_short_run_writes_everything(tmp_path: Path) -> None:
     assert "recipe: grpo_math" in (run / "config.yaml").read_text()
 
 
+def test_scoring_during_rollout_changes_no_score(tmp_path: Path) -> None:
+    """With reward workers (grpo_math's own config scores in-process), every group's rewards start as it
+    finishes generating, and the scores and the update are those of scoring after the rollout."""
+    common = [
+        "recipe=grpo_math",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+        "rollout.rollout_batch_size=4",
+        "reward.num_workers=2",
+    ]
+    runs = {}
+    for early in ("true", "false"):
+        out = run_miles(tmp_path, *common, f"reward.score_during_rollout={early}", run_dir=tmp_path / early)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[early] = [
+            json.loads(line) for line in (tmp_path / early / "metrics.jsonl").read_text().splitlines()
+        ]
+    for on, off in zip(runs["true"], runs["false"], strict=True):
+        assert on["reward/early/num_samples"] == 32 and "reward/early/num_samples" not in off
+        for key in ("reward/mean", "reward/std", "train/loss", "train/grad_norm"):
+            assert on[key] == off[key], key
+
+
 def test_user_reward_by_dotted_path_and_errors_counted(tmp_path: Path) -> None:
     plugin = tmp_path / "my_reward.py"
     plugin.write_text(

@@ -151,3 +151,25 @@ def test_empty_batch() -> None:
             "reward/errors": 0.0,
             "reward/timeouts": 0.0,
         }
+
+
+def test_score_early_starts_the_graders_before_score_and_gives_the_same_scores(tmp_path: Path) -> None:
+    """`score_early` (the loop calls it as each group finishes generating) submits the pool's calls at once;
+    `score` then waits for them instead of submitting again, with the scores and metrics a plain `score`
+    gives; samples it was not given are scored as usual."""
+    cfg = RewardConfig(fn=f"{USER}:logged_reward", kwargs={"log_dir": str(tmp_path)}, num_workers=2)
+    with RewardRunner(cfg) as runner:
+        batch = batch_of("aa", "bbb", "c", "dddd")
+        runner.score_early(batch[:3])
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("scored-*"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(p.name for p in tmp_path.glob("scored-*")) == ["scored-aa", "scored-bbb", "scored-c"]
+        metrics = runner.score(batch)
+        assert (tmp_path / "scored-dddd").exists()
+        assert [s.reward for s in batch] == [2.0, 3.0, 1.0, 4.0]
+        assert metrics["reward/early/num_samples"] == 3 and metrics["reward/mean"] == 2.5
+        again = batch_of("aa", "bbb", "c", "dddd")  # the early calls were used once: new objects, plain
+        plain = runner.score(again)
+        assert [s.reward for s in again] == [2.0, 3.0, 1.0, 4.0] and "reward/early/num_samples" not in plain
+        assert {k: v for k, v in metrics.items() if k != "reward/early/num_samples"} == plain

@@ -428,3 +428,25 @@ def test_engine_state_carries_the_seeds_of_unseeded_requests() -> None:
     assert [s.response_ids for s in Engine(model, None, config()).generate(PROMPTS, unseeded)] != [
         s.response_ids for s in expected
     ]
+
+
+def test_generate_reports_each_sample_as_it_finishes() -> None:
+    """`on_finish` gets every sample once, the same object generate returns, between engine steps: a prompt
+    refused at once is reported before any step runs."""
+    engine = Engine(tiny_model(), None, config(max_context=48))
+    steps = []
+    step = engine.step
+
+    def counted_step():
+        steps.append(1)
+        return step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    reported: list[tuple[Sample, int]] = []
+    prompts = [list(range(1, 50)), *PROMPTS]  # the first is longer than rollout.max_context
+    out = engine.generate(prompts, GREEDY.with_(n=2), on_finish=lambda s: reported.append((s, len(steps))))
+    assert len(reported) == len(out) == 8
+    assert {id(s) for s, _ in reported} == {id(s) for s in out}
+    refused = [n for s, n in reported if s.status == SampleStatus.ABORTED]
+    assert refused == [0, 0]
+    assert max(n for _, n in reported) == len(steps)  # the last reported right after the last step

@@ -98,3 +98,10 @@ def not_a_reward() -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def logged_reward(sample: Sample, log_dir: str = "") -> float:
+    """Writes a file named after the response when it scores it (proves when a worker ran it)."""
+    with open(os.path.join(log_dir, f"scored-{sample.response_text}"), "w") as f:
+        f.write(str(time.time()))
+    return float(len(sample.response_text))
