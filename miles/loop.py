@@ -15,7 +15,6 @@ import random
 import shutil
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -236,18 +235,6 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         return_routing=cfg.rollout.record_routing,
     )
     score_early = cfg.reward.score_during_rollout and multiturn is None
-
-    def score_finished_groups() -> Callable[[Sample], None]:
-        finished: dict[int, list[Sample]] = defaultdict(list)
-
-        def on_finish(sample: Sample) -> None:
-            group = finished[sample.group_id]
-            group.append(sample)
-            if len(group) == params.n:
-                rewards.score_early(group)
-
-        return on_finish
-
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     resume_from, wandb_run_id = None, None
     if cfg.trainer.resume_from:
@@ -329,8 +316,10 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             params.seed = cfg.rollout.seed * 1_000_003 + step
             t = time.perf_counter()
             batch = [replace(p, group_id=i) for i, p in enumerate(loader.next_batch())]
-            if score_early:  # each group's graders start while the others still generate
-                samples = engine.generate(dp.shard(batch), params, on_finish=score_finished_groups())
+            if score_early:  # each sample's graders start while the others still generate
+                samples = engine.generate(
+                    dp.shard(batch), params, on_finish=lambda s: rewards.score_early([s])
+                )
             else:
                 samples = generate(dp.shard(batch), params)  # this rank's groups, whole
             # Measured on this rank's share of the step; combined over the ranks at the end of the step.

@@ -150,9 +150,9 @@ class RewardRunner:
 
     def score_early(self, samples: list[Sample]) -> None:
         """Start the worker-pool rewards of samples that finished generating while the rest of the batch still
-        generates (the GPU then does not wait for the graders); the `score` call that gets these same sample
-        objects waits for those results instead of submitting them again. In-process, async and batched
-        rewards run in `score` as before."""
+        generates (the GPU then does not wait for the graders); the next `score` call waits for those results
+        for the same sample objects instead of submitting them again, and forgets the rest (it holds the
+        samples until then). In-process, async and batched rewards run in `score` as before."""
         if self._pool is None or self._closed or not samples:
             return
         with self._lock:

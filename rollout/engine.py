@@ -8,6 +8,7 @@ expose the same loop one step at a time.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,6 +45,8 @@ from miles.rollout.sampling import (
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
 from miles.rollout.weights import WeightsInput, load_weights
 from miles.sample import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
 
 _DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
 """Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
@@ -208,6 +211,8 @@ class Engine:
         self._seed_counter = 0
         self._requests: dict[int, Request] = {}
         self._results: dict[int, Sample] = {}
+        self._newly_finished: list[int] | None = None
+        """Request ids in the order they finished, while a `generate(on_finish=...)` call collects them."""
         self._prompt_texts: dict[int, str] = {}
         self._released = False
         self._last_step_ran = False
@@ -289,8 +294,54 @@ class Engine:
         on_finish: Callable[[Sample], None] | None = None,
     ) -> list[Sample]:
         """`len(prompts) * params.n` samples, prompt-major; blocks until all are finished. `on_finish` is
-        called with each sample as it finishes, between engine steps (e.g. to start scoring it)."""
+        called with each sample as it finishes, between engine steps (e.g. to start scoring it); it must not
+        call the engine. If it raises, the call's other requests are aborted and the exception propagates."""
         self._check_request(params)
+        if on_finish is not None:
+            return self._generate_reporting(prompts, params, on_finish)
+        rids = self._enqueue_prompts(prompts, params)
+        self._run_until_finished(rids)
+        return [self._results.pop(rid) for rid in rids]
+
+    def _generate_reporting(
+        self,
+        prompts: list[Sample] | list[list[int]] | list[str],
+        params: SamplingParams,
+        on_finish: Callable[[Sample], None],
+    ) -> list[Sample]:
+        self._newly_finished = []
+        rids: list[int] = []
+        try:
+            rids = self._enqueue_prompts(prompts, params)
+            mine = set(rids)
+            self._run_until_finished(rids, lambda: self._report(mine, on_finish))
+            self._report(mine, on_finish)
+            return [self._results.pop(rid) for rid in rids]
+        except BaseException:
+            # An exception from on_finish (or the engine): the call's other requests end now, and none of its
+            # results stays behind for a later call to find.
+            self._newly_finished = None
+            try:
+                for rid in rids:
+                    self.abort(rid)
+                self._run_until_finished(rids)
+            except Exception as cleanup:  # the engine itself failed: the original error is the one to see
+                log.warning("could not abort the requests of a failed generate call: %s", cleanup)
+            for rid in rids:
+                self._results.pop(rid, None)
+            raise
+        finally:
+            self._newly_finished = None
+
+    def _report(self, mine: set[int], on_finish: Callable[[Sample], None]) -> None:
+        finished, self._newly_finished = self._newly_finished or [], []
+        for rid in finished:
+            if rid in mine:
+                on_finish(self._results[rid])
+
+    def _enqueue_prompts(
+        self, prompts: list[Sample] | list[list[int]] | list[str], params: SamplingParams
+    ) -> list[int]:
         rids = []
         for position, prompt in enumerate(prompts):
             source = prompt if isinstance(prompt, Sample) else None
@@ -300,22 +351,17 @@ class Engine:
             text = prompt if isinstance(prompt, str) else None
             for index in range(params.n):
                 rids.append(self._enqueue(ids, error, params, group_id, index, source, text))
+        return rids
+
+    def _run_until_finished(self, rids: list[int], between_steps: Callable[[], None] | None = None) -> None:
         stalled = 0
-        unreported = set(rids) if on_finish is not None else set()
-        results_seen = -1
-        while True:
-            if unreported and len(self._results) != results_seen:  # something finished since the last look
-                results_seen = len(self._results)
-                for rid in sorted(rid for rid in unreported if rid in self._results):
-                    unreported.discard(rid)
-                    on_finish(self._results[rid])  # type: ignore[misc]
-            if all(rid in self._results for rid in rids):
-                break
+        while any(rid not in self._results for rid in rids):
+            if between_steps is not None:
+                between_steps()
             progressed = bool(self.step()) or self._last_step_ran
             stalled = 0 if progressed else stalled + 1
             if stalled > _STALL_STEPS:
                 raise RuntimeError("rollout engine made no progress (scheduler bug); please report it")
-        return [self._results.pop(rid) for rid in rids]
 
     def add_request(
         self,
@@ -1008,6 +1054,8 @@ class Engine:
         prompt_text = self._prompt_texts.pop(req.rid, "")
         sample = to_sample(req, self.tokenizer, self._weight_version, prompt_text, routed)
         self._results[req.rid] = sample
+        if self._newly_finished is not None:
+            self._newly_finished.append(req.rid)
         del self._requests[req.rid]
         return sample
 

@@ -450,3 +450,16 @@ def test_generate_reports_each_sample_as_it_finishes() -> None:
     refused = [n for s, n in reported if s.status == SampleStatus.ABORTED]
     assert refused == [0, 0]
     assert max(n for _, n in reported) == len(steps)  # the last reported right after the last step
+
+
+def test_a_failing_on_finish_aborts_its_call_and_leaves_the_engine_clean() -> None:
+    engine = Engine(tiny_model(), None, config())
+    before = engine.generate(PROMPTS, GREEDY)
+
+    def fail(sample: Sample) -> None:
+        raise ValueError("grader exploded")
+
+    with pytest.raises(ValueError, match="grader exploded"):
+        engine.generate(PROMPTS, GREEDY.with_(n=2), on_finish=fail)
+    assert not engine.has_unfinished and not engine._results  # nothing left for a later call to find
+    assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == [s.response_ids for s in before]
