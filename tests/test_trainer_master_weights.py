@@ -10,19 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_trainer_torch import keep_gradients, make_trainer, random_samples, tiny_model
+from test_trainer_torch import (
+    keep_gradients,
+    make_trainer,
+    random_samples,
+    single_thread,  # noqa: F401 - its autouse fixture: one intra-op thread
+    tiny_model,
+)
 
 from miles.config import AlgorithmConfig, OptimConfig
 from miles.sample import Sample
 from miles.trainer.master_weights import MasterWeights
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def scored(n: int, seed: int = 3) -> list[Sample]:
