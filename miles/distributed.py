@@ -208,8 +208,10 @@ def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list
     waiting in a collective), and so are they all if this process is interrupted or terminated. Returns
     the first non-zero exit code, or 0. (`command` replaces the rank's program, for tests.)"""
     # The ranks meet in a file store made fresh for this launch: a TCP port probed free here could be taken
-    # by another program before rank 0 binds it.
-    store_dir = tempfile.mkdtemp(prefix="miles-launch-")
+    # by another program before rank 0 binds it. The folder names its launcher, so one a killed launcher
+    # left behind is removed by the next.
+    _remove_stale_stores(Path(tempfile.gettempdir()))
+    store_dir = tempfile.mkdtemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")
     procs: list[subprocess.Popen[bytes]] = []
 
     def terminated(signum: int, frame: object) -> None:
@@ -245,6 +247,27 @@ def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code
+
+
+_STORE_PREFIX = "miles-launch-"
+
+
+def _remove_stale_stores(folder: Path) -> None:
+    """Remove the store folders of launchers that are gone (killed with SIGKILL: no `finally` ran)."""
+    for path in folder.glob(f"{_STORE_PREFIX}*-*"):
+        pid = path.name[len(_STORE_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:

@@ -257,6 +257,21 @@ def test_launched_ranks_meet_in_a_fresh_file_store_that_is_removed_after(tmp_pat
     assert not store.parent.exists()
 
 
+def test_a_store_folder_a_killed_launcher_left_is_removed_by_the_next(tmp_path: Path) -> None:
+    from miles.distributed import _remove_stale_stores
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"miles-launch-{dead.pid}-abc"
+    live = tmp_path / f"miles-launch-{os.getpid()}-def"  # a launcher still running: kept
+    other = tmp_path / "miles-launch-notapid"
+    for folder in (stale, live, other):
+        (folder / "store").parent.mkdir()
+        (folder / "store").write_text("")
+    _remove_stale_stores(tmp_path)
+    assert not stale.exists() and live.exists() and other.exists()
+
+
 def test_a_terminated_launcher_stops_its_ranks(tmp_path: Path) -> None:
     script = (
         "import sys; from pathlib import Path; from miles.distributed import launch; "
