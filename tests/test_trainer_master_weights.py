@@ -167,17 +167,9 @@ def test_grpo_math_in_bf16_resumes_bit_for_bit(tmp_path: Path) -> None:
     """The loop with `model.dtype=bfloat16` (engine and trainer on the same bf16 module, float32 masters in
     the optimizer): checksums hold, and a run resumed from its step-1 checkpoint repeats step 2 exactly."""
     from test_loop import run_miles
+    from test_trainer_megatron import COMMON  # 2 steps, a checkpoint after each, small batches, on CPU
 
-    common = [
-        "recipe=grpo_math",
-        "model.dtype=bfloat16",
-        "trainer.max_steps=2",
-        "trainer.save_every=1",
-        "trainer.eval_every=0",
-        "rollout.rollout_batch_size=4",
-        "rollout.n_samples_per_prompt=4",
-        "trainer.global_batch_size=8",
-    ]
+    common = [*COMMON, "model.dtype=bfloat16"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     out = run_miles(tmp_path, *common, run_dir=whole)
     assert out.returncode == 0, out.stderr[-3000:]
