@@ -89,7 +89,11 @@ class RolloutConfig:
     trainer will allocate at its first update (optimizer moments and gradients)."""
     release_kv_during_train: bool = False
     """GPU: free the KV pool while the trainer updates, so the update's activations can use that memory
-    (allocated again, empty, for the next rollout; CUDA graphs are then captured again on first use)."""
+    (allocated again, empty, for the next rollout)."""
+    kv_virtual_memory: str = "auto"
+    """GPU: the KV pool in a reserved range of CUDA virtual addresses, so that releasing it and allocating it
+    again leaves it at the same addresses and the decode CUDA graphs survive (otherwise they are captured
+    again after every release): auto (when the driver supports it) | on | off."""
     page_size: int = 1
     """KV page size in tokens."""
     radix_cache: bool = True

@@ -347,6 +347,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             releasing = release_kv and bool(usable)
             if releasing:
                 engine.release_memory()
+                own["time/kv_release"] = time.perf_counter() - t
             try:
                 if usable:
                     metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
@@ -354,7 +355,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                     log.warning("step %d: no sample has a response; skipping the update", step)
             finally:
                 if releasing:
+                    resumed = time.perf_counter()
                     engine.resume_memory()
+                    own["time/kv_release"] += time.perf_counter() - resumed
             own["time/train"] = time.perf_counter() - t
 
             result = sync.sync(version=step)

@@ -423,6 +423,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
     p.add_argument("--kv-cache-bytes", type=int, default=256 * 1024**2, help="KV pool on CPU")
     p.add_argument("--page-size", type=int, default=1)
+    p.add_argument(
+        "--kv-virtual-memory",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="GPU: the KV pool at reserved CUDA virtual addresses (rollout.kv_virtual_memory)",
+    )
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -495,6 +501,7 @@ def main(argv: list[str]) -> int:
         kv_cache_bytes=a.kv_cache_bytes,
         kv_cache_fraction=a.kv_cache_fraction,
         page_size=a.page_size,
+        kv_virtual_memory=a.kv_virtual_memory,
         radix_cache=a.radix_cache == "on",
         cuda_graph=a.cuda_graph == "on",
         cuda_graph_piecewise_min_batch=a.piecewise_min_batch,
@@ -606,7 +613,8 @@ def main(argv: list[str]) -> int:
         "speculative": a.speculative,
         "spec_accept_length": 1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0,
         "kv_pool_tokens": engine.pool.capacity_tokens,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
+        "kv_virtual_memory": engine.pool.keeps_addresses,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) + engine.pool.bytes_outside_allocator
         if on_gpu
         else cpu_peak_bytes or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }

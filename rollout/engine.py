@@ -23,6 +23,7 @@ from miles.config import RolloutConfig
 from miles.models import fused
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
+from miles.rollout import virtual_memory
 from miles.rollout.attention_flashinfer import check_decode_kernel
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
@@ -153,6 +154,10 @@ class Engine:
                 f"rollout.max_running_requests ({cfg.max_running_requests}) must not exceed rollout.max_batch_tokens "
                 f"({cfg.max_batch_tokens}): every running request feeds one token per step"
             )
+        if cfg.kv_virtual_memory not in ("auto", "on", "off"):
+            raise ValueError(
+                f"rollout.kv_virtual_memory must be auto, on or off, got {cfg.kv_virtual_memory!r}"
+            )
         if cfg.update_policy not in ("finish", "retract"):
             raise ValueError(f"rollout.update_policy must be finish or retract, got {cfg.update_policy!r}")
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
@@ -161,7 +166,7 @@ class Engine:
         model.eval()
         self.backend = resolve_backend(cfg.backend, self.device, self.dtype, self.args.head_dim)
         layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size, cfg.record_routing)
-        self.pool = KVPool(layout, self._pool_pages(layout), self.device)
+        self.pool = KVPool(layout, self._pool_pages(layout), self.device, self._keep_kv_addresses())
         self.max_context = self.args.context_length
         if cfg.max_context is not None:
             if not 1 < cfg.max_context <= self.max_context:
@@ -273,6 +278,14 @@ class Engine:
 
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(model, tokenizer, cfg)
+
+    def _keep_kv_addresses(self) -> bool:
+        mode = self.cfg.kv_virtual_memory
+        if self.device.type != "cuda" or mode == "off":
+            return False
+        return mode == "on" or virtual_memory.supported(
+            self.device
+        )  # "on" without support: VirtualRegion says why
 
     def _pool_pages(self, layout: KVLayout) -> int:
         if self.device.type == "cuda":
@@ -621,7 +634,7 @@ class Engine:
         self._drain()
         self.scheduler.retract_all()
         self.flush_cache()
-        self.runner.release()
+        self.runner.release(keep_graphs=self.pool.keeps_addresses)
         self.pool.release()
         self._released = True
         if self.device.type == "cuda":

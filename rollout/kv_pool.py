@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from miles.models.args import ModelArgs
+from miles.rollout.virtual_memory import VirtualRegion
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,11 @@ class KVLayout:
 class KVPool:
     """k/v caches as [num_layers, num_pages, page_size, num_kv_heads, head_dim] plus a page allocator."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, num_pages: int, device: torch.device, keep_addresses: bool = False
+    ) -> None:
+        """`keep_addresses` (CUDA): the storage lives in a reserved address range (virtual_memory.py), so a
+        release and a re-allocation leave every tensor where it was and CUDA graphs over them stay valid."""
         if num_pages < 2:
             raise ValueError(
                 f"the KV budget holds {num_pages} page(s) of {layout.page_size} tokens; the engine needs at least "
@@ -67,18 +72,36 @@ class KVPool:
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.routing: torch.Tensor | None = None
+        self.region: VirtualRegion | None = None
+        if keep_addresses:
+            self.region = VirtualRegion(VirtualRegion.bytes_for(self._storage_shapes()), device)
+            self.k_cache, self.v_cache, *routing = (self.region.carve(*ds) for ds in self._storage_shapes())
+            self.routing = routing[0] if routing else None
+        self._allocated = False
         self.allocate()
 
     # storage -----------------------------------------------------------------------------------
-    def allocate(self) -> None:
+    def _storage_shapes(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         lay = self.layout
-        shape = (lay.num_layers, self.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=lay.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=lay.dtype, device=self.device)
+        kv = (lay.num_layers, self.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        shapes = [(lay.dtype, kv), (lay.dtype, kv)]
         if lay.routing_shape is not None:
-            self.routing = torch.zeros(
-                (self.num_slots, *lay.routing_shape), dtype=torch.int16, device=self.device
+            shapes.append((torch.int16, (self.num_slots, *lay.routing_shape)))
+        return shapes
+
+    def allocate(self) -> None:
+        if self.region is not None:
+            self.region.map()
+            for t in (self.k_cache, self.v_cache, self.routing):
+                if t is not None:
+                    t.zero_()  # fresh mappings hold whatever the memory held last, NaN bit patterns included
+        else:
+            self.k_cache, self.v_cache, *routing = (
+                torch.zeros(shape, dtype=dtype, device=self.device) for dtype, shape in self._storage_shapes()
             )
+            self.routing = routing[0] if routing else None
+        self._allocated = True
+        lay = self.layout
         self._free = [torch.arange(1, self.num_pages, dtype=torch.int32, device=self.device)]
         self.num_free_pages = self.num_pages - 1
         # Per-layer views by slot, made once: every write and gather of a step would otherwise re-derive them.
@@ -87,15 +110,29 @@ class KVPool:
         self._v_slots = [self.v_cache[i].view(slots) for i in range(lay.num_layers)]
 
     def release(self) -> None:
-        """Drop the storage (colocated training); `allocate()` brings it back empty."""
-        self.k_cache = self.v_cache = self.routing = None
-        self._k_slots, self._v_slots = [], []
+        """Give the storage's memory back (colocated training); `allocate()` brings it back empty. With
+        `keep_addresses` the tensors stay, pointing at unmapped memory that nothing may touch until then."""
+        if self.region is not None:
+            self.region.unmap()
+        else:
+            self.k_cache = self.v_cache = self.routing = None
+            self._k_slots, self._v_slots = [], []
         self._free = []
         self.num_free_pages = 0
+        self._allocated = False
 
     @property
     def allocated(self) -> bool:
-        return self.k_cache is not None
+        return self._allocated
+
+    @property
+    def keeps_addresses(self) -> bool:
+        return self.region is not None
+
+    @property
+    def bytes_outside_allocator(self) -> int:
+        """Device memory the pool holds that torch's allocator does not count (its reserved region, mapped)."""
+        return self.region.nbytes if self.region is not None and self.region.mapped else 0
 
     @property
     def num_slots(self) -> int:

@@ -146,9 +146,10 @@ class ModelRunner:
         hidden = out.hidden if batch.every_token_samples else out.hidden[batch.sample_index]
         return self.model.compute_logits(hidden), out.routing
 
-    def release(self) -> None:
-        """Forget everything that points into the KV pool's memory (graphs are re-captured on demand)."""
-        if self.graphs is not None:
+    def release(self, keep_graphs: bool = False) -> None:
+        """Forget what the KV pool's release invalidates: the per-row staging, and the CUDA graphs unless the
+        pool comes back at the same addresses (`keep_graphs`); dropped graphs are re-captured on demand."""
+        if self.graphs is not None and not keep_graphs:
             self.graphs.reset()
         if self.staging is not None:
             self.staging.clear()

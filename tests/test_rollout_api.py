@@ -92,7 +92,7 @@ def test_release_and_resume_memory() -> None:
     engine = Engine(tiny_model(), None, config())
     before = engine.generate(PROMPTS, GREEDY)
     engine.release_memory()
-    assert engine.pool.k_cache is None
+    assert engine.pool.k_cache is None and not engine.pool.allocated
     with pytest.raises(RuntimeError, match="resume_memory"):
         engine.generate(PROMPTS, GREEDY)
     engine.resume_memory()
@@ -104,6 +104,29 @@ def test_release_and_resume_memory() -> None:
     engine.resume_memory()
     fresh = Engine(new, None, config()).generate(PROMPTS, GREEDY)
     assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == [s.response_ids for s in fresh]
+
+
+def test_kv_virtual_memory_is_checked_and_stays_off_the_cpu() -> None:
+    """The CPU pool is plain torch memory whatever the setting (its driver structs: in the GPU test); a wrong
+    value is refused by name."""
+    import ctypes
+
+    from miles.rollout import virtual_memory
+
+    with pytest.raises(ValueError, match="kv_virtual_memory"):
+        Engine(tiny_model(), None, config(kv_virtual_memory="yes"))
+    engine = Engine(tiny_model(), None, config(kv_virtual_memory="on"))
+    assert not engine.pool.keeps_addresses and engine.pool.bytes_outside_allocator == 0
+    assert not virtual_memory.supported(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="kv_virtual_memory=off"):
+        virtual_memory.VirtualRegion(1 << 20, torch.device("cpu"))
+    # CUmemAllocationProp and CUmemAccessDesc as the driver lays them out (cuda.h, 64-bit Linux).
+    assert ctypes.sizeof(virtual_memory._AllocationProp) == 32
+    assert virtual_memory._AllocationProp.win32_handle_meta_data.offset == 16
+    assert ctypes.sizeof(virtual_memory._AccessDesc) == 12
+    # Tensors carved from a region start 256-byte aligned, like cudaMalloc's.
+    shapes = [(torch.bfloat16, (3,)), (torch.int16, (2, 5))]
+    assert virtual_memory.VirtualRegion.bytes_for(shapes) == 256 + 20
 
 
 def test_stop_token_ids_eos_and_ignore_eos() -> None:

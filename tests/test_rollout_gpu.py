@@ -139,7 +139,7 @@ def test_cuda_graph_decode_matches_eager(moe: bool) -> None:
     graphed = engine.generate(PROMPTS, GREEDY.with_(n=3))
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "decode never replayed a graph"
     assert_agree_until_near_tie(model, eager, graphed, logprob_tol=0.05)
-    # Graphs point into the pool: releasing and resuming memory must re-capture them.
+    # The graphs point into the pool, which comes back at its reserved addresses (kv_virtual_memory=auto).
     engine.release_memory()
     engine.resume_memory()
     assert_agree_until_near_tie(model, eager, engine.generate(PROMPTS, GREEDY.with_(n=3)), logprob_tol=0.05)
@@ -258,7 +258,11 @@ def test_piecewise_graph_decode_matches_eager(moe: bool, fused: str, min_batch: 
     params = GREEDY.with_(n=3)
     eager = Engine(model, None, config(backend="flashinfer", fused_kernels=fused)).generate(PROMPTS, params)
     cfg = config(
-        backend="flashinfer", cuda_graph=True, cuda_graph_piecewise_min_batch=min_batch, fused_kernels=fused
+        backend="flashinfer",
+        cuda_graph=True,
+        cuda_graph_piecewise_min_batch=min_batch,
+        fused_kernels=fused,
+        kv_virtual_memory="off",  # the pool comes back elsewhere: what the graphs must survive by re-capture
     )
     engine = Engine(model, None, cfg)
     graphs = engine.runner.graphs
@@ -939,3 +943,57 @@ def test_the_kv_pool_leaves_the_reserved_memory_free() -> None:
         assert len(engine.generate(PROMPTS[:2], GREEDY)) == 2
         del engine
     assert sizes[0] - sizes[1] == pytest.approx(0.1 * reserve, rel=0.02)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "qwen3_moe_routing"])
+def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
+    moe: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_virtual_memory: a release gives the pool's memory back to the device, the resume maps new memory at
+    the same addresses (zeroed), and the captured graphs, whole and in pieces, replay without a new capture
+    to the same tokens and logprobs as before the release."""
+    from miles.rollout.cuda_graph import CudaGraphRunner
+
+    captures: list[int] = []
+    capture = CudaGraphRunner.capture
+
+    def counted(self: CudaGraphRunner) -> None:
+        captures.append(1)
+        capture(self)
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", counted)
+    model = gpu_model(moe, seed=9)
+    params = GREEDY.with_(n=3, return_routing=moe)
+    cfg = config(
+        backend="flashinfer",
+        cuda_graph=True,
+        cuda_graph_piecewise_min_batch=8,
+        kv_virtual_memory="on",
+        record_routing=moe,
+    )
+    engine = Engine(model, None, cfg)
+    pool = engine.pool
+    assert pool.keeps_addresses and pool.bytes_outside_allocator >= pool.nbytes
+    before = engine.generate(PROMPTS, params)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.graphs and graphs.pieces and captures == [1]
+    kept = {**graphs.graphs, **graphs.pieces}
+    tensors = [t for t in (pool.k_cache, pool.v_cache, pool.routing) if t is not None]
+    addresses = [t.data_ptr() for t in tensors]
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    engine.release_memory()
+    assert torch.cuda.mem_get_info()[0] - free_before >= 0.99 * pool.nbytes, "the release freed no memory"
+    assert pool.bytes_outside_allocator == 0
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate(PROMPTS[:1], GREEDY)
+    engine.resume_memory()
+    assert [t.data_ptr() for t in tensors] == addresses
+    assert all(int(t.count_nonzero()) == 0 for t in tensors), "a resumed pool holds old memory's contents"
+    after = engine.generate(PROMPTS, params)
+    assert captures == [1], "the graphs were captured again"
+    assert all(kept[b] is g for b, g in {**graphs.graphs, **graphs.pieces}.items() if b in kept)
+    assert [s.response_ids for s in after] == [s.response_ids for s in before]
+    assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
+    if moe:
+        assert [s.routed_experts for s in after] == [s.routed_experts for s in before]

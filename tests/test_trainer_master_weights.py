@@ -245,3 +245,4 @@ def test_grpo_math_on_cuda_with_bf16_weights(backend: str, release: bool, tmp_pa
         assert record["sync/checksum_ok"] == 1.0
         assert record["mismatch/logprob_abs_diff_mean"] < 0.05, record
         assert record["train/grad_norm"] > 0
+        assert ("time/kv_release" in record) == release

@@ -1,0 +1,214 @@
+"""Device memory whose address outlives its backing: the KV pool's storage under colocated training.
+
+The pool is released while the trainer updates (rollout.release_kv_during_train). Freed through torch, it
+would come back at another address, and every CUDA graph captured over it would have to be captured again
+(2.3-4 s a step on Qwen3-4B). Here the address range is reserved once through the CUDA driver's virtual
+memory management: `unmap()` gives the physical memory back to the device, `map()` backs the same
+addresses with new memory, and the graphs replay as captured. SGLang's torch_memory_saver and vLLM's sleep
+mode do the same by intercepting cudaMalloc; the pool is one allocation of ours, so mapping it directly is
+enough. The driver is reached through ctypes: libcuda comes with the driver, no package is needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from typing import Any
+
+import torch
+
+_SUCCESS = 0
+_OUT_OF_MEMORY = 2
+_ALLOCATION_TYPE_PINNED = 1
+_LOCATION_TYPE_DEVICE = 1
+_GRANULARITY_RECOMMENDED = 1
+_ACCESS_READ_WRITE = 3
+_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT = 102
+_ALIGNMENT = 256  # of the tensors carved out of a region (what cudaMalloc guarantees)
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocationFlags(ctypes.Structure):
+    _fields_ = [
+        ("compression_type", ctypes.c_ubyte),
+        ("gpu_direct_rdma_capable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requested_handle_types", ctypes.c_int),
+        ("location", _Location),
+        ("win32_handle_meta_data", ctypes.c_void_p),
+        ("alloc_flags", _AllocationFlags),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(result: int, call: str) -> None:
+    if result == _SUCCESS:
+        return
+    name = ctypes.c_char_p()
+    _driver().cuGetErrorName(result, ctypes.byref(name))
+    what = name.value.decode() if name.value else f"error {result}"
+    if result == _OUT_OF_MEMORY:
+        raise torch.cuda.OutOfMemoryError(f"{call}: {what} (the device has no memory left for the KV pool)")
+    raise RuntimeError(f"CUDA driver call {call} failed: {what}")
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _ordinal(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def supported(device: torch.device) -> bool:
+    """Whether `device` is a CUDA device whose driver maps memory at reserved addresses."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        driver = _driver()
+    except OSError:
+        return False
+    handle, flag = ctypes.c_int(), ctypes.c_int()
+    if driver.cuDeviceGet(ctypes.byref(handle), _ordinal(device)) != _SUCCESS:
+        return False
+    ok = driver.cuDeviceGetAttribute(ctypes.byref(flag), _ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT, handle)
+    return ok == _SUCCESS and flag.value == 1
+
+
+class _Span:
+    """`__cuda_array_interface__` of bytes of a region: torch's tensor keeps this object, and with it the
+    region, alive."""
+
+    def __init__(self, region: VirtualRegion, offset: int, nbytes: int) -> None:
+        self.region = region
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (region.address + offset, False),
+            "version": 2,
+        }
+
+
+class VirtualRegion:
+    """`nbytes` of device memory at an address fixed for the region's life. Built mapped; `unmap()` frees the
+    memory (nothing may touch the region until `map()`), `map()` backs the same addresses again, contents
+    undefined."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        if not supported(device):
+            raise RuntimeError(
+                f"{device} has no CUDA virtual memory management (driver too old, or not a CUDA device); "
+                "set rollout.kv_virtual_memory=off"
+            )
+        self.device = torch.device("cuda", _ordinal(device))
+        self._prop = _AllocationProp()
+        self._prop.type = _ALLOCATION_TYPE_PINNED
+        self._prop.location = _Location(_LOCATION_TYPE_DEVICE, self.device.index)
+        self._access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, self.device.index), _ACCESS_READ_WRITE)
+        granularity = ctypes.c_size_t()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()  # makes the device's primary context current on this thread
+            _check(
+                _driver().cuMemGetAllocationGranularity(
+                    ctypes.byref(granularity), ctypes.byref(self._prop), _GRANULARITY_RECOMMENDED
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+            self.nbytes = -(-max(1, nbytes) // granularity.value) * granularity.value
+            address = ctypes.c_uint64()
+            _check(
+                _driver().cuMemAddressReserve(
+                    ctypes.byref(address),
+                    ctypes.c_size_t(self.nbytes),
+                    ctypes.c_size_t(0),
+                    ctypes.c_uint64(0),
+                    0,
+                ),
+                "cuMemAddressReserve",
+            )
+        self.address = address.value
+        self._handle: int | None = None
+        self._carved = 0
+        self.map()
+
+    @property
+    def mapped(self) -> bool:
+        return self._handle is not None
+
+    def map(self) -> None:
+        if self.mapped:
+            return
+        driver, size = _driver(), ctypes.c_size_t(self.nbytes)
+        handle = ctypes.c_uint64()
+        with torch.cuda.device(self.device):
+            _check(driver.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0), "cuMemCreate")
+            try:
+                _check(driver.cuMemMap(ctypes.c_uint64(self.address), size, 0, handle, 0), "cuMemMap")
+                try:
+                    _check(
+                        driver.cuMemSetAccess(
+                            ctypes.c_uint64(self.address), size, ctypes.byref(self._access), 1
+                        ),
+                        "cuMemSetAccess",
+                    )
+                except BaseException:
+                    driver.cuMemUnmap(ctypes.c_uint64(self.address), size)
+                    raise
+            except BaseException:
+                driver.cuMemRelease(handle)
+                raise
+        self._handle = handle.value
+
+    def unmap(self) -> None:
+        if not self.mapped:
+            return
+        driver, size = _driver(), ctypes.c_size_t(self.nbytes)
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()  # no kernel still reading or writing the region
+            _check(driver.cuMemUnmap(ctypes.c_uint64(self.address), size), "cuMemUnmap")
+            _check(driver.cuMemRelease(ctypes.c_uint64(self._handle)), "cuMemRelease")  # type: ignore[arg-type]
+        self._handle = None
+
+    def carve(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The next unused bytes of the region as a tensor of `shape` (256-byte aligned)."""
+        nbytes = _nbytes(dtype, shape)
+        offset = -(-self._carved // _ALIGNMENT) * _ALIGNMENT
+        if offset + nbytes > self.nbytes:
+            raise ValueError(f"region of {self.nbytes} bytes: no room for {nbytes} more at offset {offset}")
+        self._carved = offset + nbytes
+        raw = torch.as_tensor(_Span(self, offset, nbytes), device=self.device)
+        return raw.view(dtype).view(shape)
+
+    def __del__(self) -> None:
+        try:
+            self.unmap()
+            _driver().cuMemAddressFree(ctypes.c_uint64(self.address), ctypes.c_size_t(self.nbytes))
+        except Exception:  # interpreter shutdown: the driver frees everything with the context
+            pass
+
+    @staticmethod
+    def bytes_for(shapes: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+        """Bytes a region needs to carve tensors of these dtypes and shapes, in this order."""
+        end = 0
+        for dtype, shape in shapes:
+            end = -(-end // _ALIGNMENT) * _ALIGNMENT + _nbytes(dtype, shape)
+        return end
