@@ -93,7 +93,8 @@ class RolloutConfig:
     kv_virtual_memory: str = "auto"
     """GPU: the KV pool in a reserved range of CUDA virtual addresses, so that releasing it and allocating it
     again leaves it at the same addresses and the decode CUDA graphs survive (otherwise they are captured
-    again after every release): auto (when the driver supports it) | on | off."""
+    again after every release): auto (with release_kv_during_train, where the driver supports it) | on |
+    off. Such a pool is outside torch's allocator: torch.cuda.memory_allocated does not count it."""
     page_size: int = 1
     """KV page size in tokens."""
     radix_cache: bool = True
@@ -275,8 +276,6 @@ class PlacementConfig:
     """GPUs used by the ray placement."""
     colocate: bool = True
     """ray: trainer and engine share GPUs."""
-    release_kv_during_train: bool = False
-    """Free the engine's KV pool while the trainer updates (colocated GPUs)."""
     cpu_threads: int = 1
     """torch intra-op threads on CPU (tiny models run fastest on 1; 0 keeps torch's default)."""
 

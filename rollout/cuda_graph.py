@@ -3,8 +3,9 @@
 Each bucket owns a flashinfer decode wrapper bound to static index buffers and a graph captured on static
 input buffers (token ids, positions, KV slots). A decode step of B requests pads to the smallest bucket
 >= B (padding rows read and write the reserved page 0), re-plans the wrapper with the real page table and
-replays; the fused MoE kernels route the padding rows to no expert. Graphs point into the KV pool, so
-they are dropped when the pool is released and re-captured on first use.
+replays; the fused MoE kernels route the padding rows to no expert. Graphs point into the KV pool: a
+release that keeps the pool's addresses (virtual_memory.py) keeps them, any other drops them, and they are
+captured again on first use.
 
 Buckets of at least `piecewise_min_batch` rows are captured in pieces instead: one graph from the embedding
 to the first layer's attention, one between each two attentions, one from the last to the logits. Replay
@@ -25,6 +26,7 @@ graph too: each row draws the token plain decoding would draw at its position.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -144,7 +146,10 @@ class CudaGraphRunner:
     ) -> None:
         # Graph padding rows may write NaN to page 0, which only the flashinfer kernels never read (kv_pool.py).
         assert runner.backend == "flashinfer", "CUDA-graph decode runs on the flashinfer backend only"
-        self.runner, self.max_batch = runner, max_batch
+        # The runner owns this object: a reference back would make a cycle that only the cycle collector
+        # frees, KV pool included, at a moment of its choosing (possibly during another engine's capture).
+        self._runner = weakref.ref(runner)
+        self.max_batch = max_batch
         self.buckets = [b for b in _BUCKETS if b < max_batch] + [max_batch]
         self.piecewise_min_batch = piecewise_min_batch
         self.graphs: dict[int, _Graph] = {}
@@ -172,6 +177,12 @@ class CudaGraphRunner:
         if batch.verify_len:
             return batch.verify_len == self.verify_len and batch.batch_size <= self.verify_max_batch
         return batch.is_decode and batch.batch_size <= self.max_batch
+
+    @property
+    def runner(self) -> ModelRunner:
+        runner = self._runner()
+        assert runner is not None, "the model runner owning these graphs is gone"
+        return runner
 
     def reset(self) -> None:
         self.graphs.clear()

@@ -283,12 +283,14 @@ class Engine:
         mode = self.cfg.kv_virtual_memory
         if self.device.type != "cuda" or mode == "off":
             return False
-        return mode == "on" or virtual_memory.supported(
-            self.device
-        )  # "on" without support: VirtualRegion says why
+        if mode == "on":
+            return True  # without driver support VirtualRegion says what to do
+        # auto: only where the pool will be released; otherwise torch's allocator keeps it in its accounting
+        return self.cfg.release_kv_during_train and virtual_memory.supported(self.device)
 
     def _pool_pages(self, layout: KVLayout) -> int:
         if self.device.type == "cuda":
+            virtual_memory.free_orphans()  # a dead engine's pool, collected during a capture
             torch.cuda.synchronize(self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
             free = max(0, free - self._reserve_bytes)

@@ -11,9 +11,11 @@ enough. The driver is reached through ctypes: libcuda comes with the driver, no 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,9 +57,57 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
+_u64, _size, _int = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int
+_SIGNATURES: dict[str, list[Any]] = {  # cuda.h: CUdeviceptr and handles are 64-bit, CUdevice and enums int
+    "cuGetErrorName": [_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuDeviceGet": [ctypes.POINTER(_int), _int],
+    "cuDeviceGetAttribute": [ctypes.POINTER(_int), _int, _int],
+    "cuMemGetAllocationGranularity": [ctypes.POINTER(_size), ctypes.POINTER(_AllocationProp), _int],
+    "cuMemAddressReserve": [ctypes.POINTER(_u64), _size, _size, _u64, _u64],
+    "cuMemAddressFree": [_u64, _size],
+    "cuMemCreate": [ctypes.POINTER(_u64), _size, ctypes.POINTER(_AllocationProp), _u64],
+    "cuMemMap": [_u64, _size, _size, _u64, _u64],
+    "cuMemSetAccess": [_u64, _size, ctypes.POINTER(_AccessDesc), _size],
+    "cuMemUnmap": [_u64, _size],
+    "cuMemRelease": [_u64],
+}
+
+
 @functools.cache
 def _driver() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
+    driver = ctypes.CDLL("libcuda.so.1")
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(driver, name)
+        fn.argtypes, fn.restype = argtypes, _int
+    return driver
+
+
+_orphans: list[tuple[torch.device, int, int, int | None]] = []
+"""(device, address, bytes, physical handle) of regions collected while a stream was capturing a CUDA graph,
+where the synchronisation their freeing needs is not allowed; freed by `free_orphans()`."""
+
+
+def free_orphans() -> None:
+    """Free the regions garbage-collected during a graph capture (called before sizing a new pool)."""
+    while _orphans and not torch.cuda.is_current_stream_capturing():
+        _free(*_orphans.pop())
+
+
+@contextlib.contextmanager
+def _bound(device: torch.device) -> Iterator[None]:
+    """`device`'s primary context current on this thread (the driver calls act on it), its work done."""
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # a runtime call binds the context; it also waits for the region's users
+        yield
+
+
+def _free(device: torch.device, address: int, nbytes: int, handle: int | None) -> None:
+    driver = _driver()
+    with _bound(device):
+        if handle is not None:
+            _check(driver.cuMemUnmap(address, nbytes), "cuMemUnmap")
+            _check(driver.cuMemRelease(handle), "cuMemRelease")
+        _check(driver.cuMemAddressFree(address, nbytes), "cuMemAddressFree")
 
 
 def _check(result: int, call: str) -> None:
@@ -90,7 +140,7 @@ def supported(device: torch.device) -> bool:
     handle, flag = ctypes.c_int(), ctypes.c_int()
     if driver.cuDeviceGet(ctypes.byref(handle), _ordinal(device)) != _SUCCESS:
         return False
-    ok = driver.cuDeviceGetAttribute(ctypes.byref(flag), _ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT, handle)
+    ok = driver.cuDeviceGetAttribute(ctypes.byref(flag), _ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT, handle.value)
     return ok == _SUCCESS and flag.value == 1
 
 
@@ -119,14 +169,14 @@ class VirtualRegion:
                 f"{device} has no CUDA virtual memory management (driver too old, or not a CUDA device); "
                 "set rollout.kv_virtual_memory=off"
             )
+        free_orphans()
         self.device = torch.device("cuda", _ordinal(device))
         self._prop = _AllocationProp()
         self._prop.type = _ALLOCATION_TYPE_PINNED
         self._prop.location = _Location(_LOCATION_TYPE_DEVICE, self.device.index)
         self._access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, self.device.index), _ACCESS_READ_WRITE)
-        granularity = ctypes.c_size_t()
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize()  # makes the device's primary context current on this thread
+        granularity, address = ctypes.c_size_t(), ctypes.c_uint64()
+        with _bound(self.device):
             _check(
                 _driver().cuMemGetAllocationGranularity(
                     ctypes.byref(granularity), ctypes.byref(self._prop), _GRANULARITY_RECOMMENDED
@@ -134,15 +184,8 @@ class VirtualRegion:
                 "cuMemGetAllocationGranularity",
             )
             self.nbytes = -(-max(1, nbytes) // granularity.value) * granularity.value
-            address = ctypes.c_uint64()
             _check(
-                _driver().cuMemAddressReserve(
-                    ctypes.byref(address),
-                    ctypes.c_size_t(self.nbytes),
-                    ctypes.c_size_t(0),
-                    ctypes.c_uint64(0),
-                    0,
-                ),
+                _driver().cuMemAddressReserve(ctypes.byref(address), self.nbytes, 0, 0, 0),
                 "cuMemAddressReserve",
             )
         self.address = address.value
@@ -157,36 +200,36 @@ class VirtualRegion:
     def map(self) -> None:
         if self.mapped:
             return
-        driver, size = _driver(), ctypes.c_size_t(self.nbytes)
-        handle = ctypes.c_uint64()
-        with torch.cuda.device(self.device):
-            _check(driver.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0), "cuMemCreate")
+        free_orphans()
+        driver, handle = _driver(), ctypes.c_uint64()
+        with _bound(self.device):
+            _check(
+                driver.cuMemCreate(ctypes.byref(handle), self.nbytes, ctypes.byref(self._prop), 0),
+                "cuMemCreate",
+            )
             try:
-                _check(driver.cuMemMap(ctypes.c_uint64(self.address), size, 0, handle, 0), "cuMemMap")
+                _check(driver.cuMemMap(self.address, self.nbytes, 0, handle.value, 0), "cuMemMap")
                 try:
                     _check(
-                        driver.cuMemSetAccess(
-                            ctypes.c_uint64(self.address), size, ctypes.byref(self._access), 1
-                        ),
+                        driver.cuMemSetAccess(self.address, self.nbytes, ctypes.byref(self._access), 1),
                         "cuMemSetAccess",
                     )
                 except BaseException:
-                    driver.cuMemUnmap(ctypes.c_uint64(self.address), size)
+                    driver.cuMemUnmap(self.address, self.nbytes)
                     raise
             except BaseException:
-                driver.cuMemRelease(handle)
+                driver.cuMemRelease(handle.value)
                 raise
         self._handle = handle.value
 
     def unmap(self) -> None:
-        if not self.mapped:
+        if self._handle is None:
             return
-        driver, size = _driver(), ctypes.c_size_t(self.nbytes)
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize()  # no kernel still reading or writing the region
-            _check(driver.cuMemUnmap(ctypes.c_uint64(self.address), size), "cuMemUnmap")
-            _check(driver.cuMemRelease(ctypes.c_uint64(self._handle)), "cuMemRelease")  # type: ignore[arg-type]
-        self._handle = None
+        driver, handle = _driver(), self._handle
+        with _bound(self.device):
+            _check(driver.cuMemUnmap(self.address, self.nbytes), "cuMemUnmap")
+            self._handle = None  # unmapped: whatever happens to the handle, map() must map again
+            _check(driver.cuMemRelease(handle), "cuMemRelease")
 
     def carve(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The next unused bytes of the region as a tensor of `shape` (256-byte aligned)."""
@@ -196,12 +239,19 @@ class VirtualRegion:
             raise ValueError(f"region of {self.nbytes} bytes: no room for {nbytes} more at offset {offset}")
         self._carved = offset + nbytes
         raw = torch.as_tensor(_Span(self, offset, nbytes), device=self.device)
+        if raw.data_ptr() != self.address + offset or raw.device != self.device:  # a silent copy elsewhere
+            raise RuntimeError(f"torch did not take the region's memory as a tensor on {self.device}")
         return raw.view(dtype).view(shape)
 
     def __del__(self) -> None:
+        address = getattr(self, "address", None)
+        if address is None:
+            return
         try:
-            self.unmap()
-            _driver().cuMemAddressFree(ctypes.c_uint64(self.address), ctypes.c_size_t(self.nbytes))
+            if torch.cuda.is_current_stream_capturing():  # no synchronisation allowed now
+                _orphans.append((self.device, address, self.nbytes, self._handle))
+            else:
+                _free(self.device, address, self.nbytes, self._handle)
         except Exception:  # interpreter shutdown: the driver frees everything with the context
             pass
 

@@ -320,7 +320,8 @@ def test_graph_inputs_and_page_table_pad_to_the_bucket() -> None:
     table.table[2, :12] = torch.arange(40, 52, dtype=torch.int32)
     table.table[0, :6] = torch.arange(8, 14, dtype=torch.int32)
     graphs = object.__new__(CudaGraphRunner)
-    graphs.runner = SimpleNamespace(table=table, pool=SimpleNamespace(page_size=4))
+    runner = SimpleNamespace(table=table, pool=SimpleNamespace(page_size=4))
+    graphs._runner = lambda: runner  # what the weak reference to the model runner returns
     graphs.valid_rows = torch.zeros(1, dtype=torch.int32)
     for rows_per_request in (1, 3):
         real = 2 * rows_per_request

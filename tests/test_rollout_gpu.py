@@ -139,7 +139,8 @@ def test_cuda_graph_decode_matches_eager(moe: bool) -> None:
     graphed = engine.generate(PROMPTS, GREEDY.with_(n=3))
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs, "decode never replayed a graph"
     assert_agree_until_near_tie(model, eager, graphed, logprob_tol=0.05)
-    # The graphs point into the pool, which comes back at its reserved addresses (kv_virtual_memory=auto).
+    # Graphs point into the pool: without a kept address range (auto keeps one only with
+    # release_kv_during_train) releasing and resuming memory must re-capture them.
     engine.release_memory()
     engine.resume_memory()
     assert_agree_until_near_tie(model, eager, engine.generate(PROMPTS, GREEDY.with_(n=3)), logprob_tol=0.05)
@@ -951,7 +952,9 @@ def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
 ) -> None:
     """kv_virtual_memory: a release gives the pool's memory back to the device, the resume maps new memory at
     the same addresses (zeroed), and the captured graphs, whole and in pieces, replay without a new capture
-    to the same tokens and logprobs as before the release."""
+    to the same tokens, logprobs and routing as before the release, also for requests released mid-decode."""
+    import gc
+
     from miles.rollout.cuda_graph import CudaGraphRunner
 
     captures: list[int] = []
@@ -964,35 +967,55 @@ def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
     monkeypatch.setattr(CudaGraphRunner, "capture", counted)
     model = gpu_model(moe, seed=9)
     params = GREEDY.with_(n=3, return_routing=moe)
-    cfg = config(
-        backend="flashinfer",
-        cuda_graph=True,
-        cuda_graph_piecewise_min_batch=8,
-        kv_virtual_memory="on",
-        record_routing=moe,
+    cfg = config(backend="flashinfer", cuda_graph=True, cuda_graph_piecewise_min_batch=8, record_routing=moe)
+    assert not Engine(model, None, cfg).pool.keeps_addresses, (
+        "auto without a release must leave torch the pool"
     )
-    engine = Engine(model, None, cfg)
+    engine = Engine(model, None, replace(cfg, release_kv_during_train=True))  # auto: kept addresses
     pool = engine.pool
-    assert pool.keeps_addresses and pool.bytes_outside_allocator >= pool.nbytes
+    assert pool.region is not None and pool.bytes_outside_allocator >= pool.nbytes
+    assert pool.k_cache is not None and pool.k_cache.data_ptr() == pool.region.address
     before = engine.generate(PROMPTS, params)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.graphs and graphs.pieces and captures == [1]
     kept = {**graphs.graphs, **graphs.pieces}
     tensors = [t for t in (pool.k_cache, pool.v_cache, pool.routing) if t is not None]
     addresses = [t.data_ptr() for t in tensors]
-    torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info()[0]
+
+    def free_memory() -> int:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+
+    held = free_memory()
     engine.release_memory()
-    assert torch.cuda.mem_get_info()[0] - free_before >= 0.99 * pool.nbytes, "the release freed no memory"
-    assert pool.bytes_outside_allocator == 0
+    released = free_memory()
+    assert not pool.region.mapped and pool.bytes_outside_allocator == 0
+    assert released - held >= 0.99 * pool.nbytes, "the release freed no memory"
     with pytest.raises(RuntimeError, match="resume_memory"):
         engine.generate(PROMPTS[:1], GREEDY)
+    junk = torch.full((pool.nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")  # reuse bait
+    del junk
     engine.resume_memory()
+    assert released - free_memory() >= 0.99 * pool.nbytes, "the resume took no memory"
     assert [t.data_ptr() for t in tensors] == addresses
     assert all(int(t.count_nonzero()) == 0 for t in tensors), "a resumed pool holds old memory's contents"
     after = engine.generate(PROMPTS, params)
+    # Released mid-decode (the overlap step in flight): retracted, recomputed on the kept graphs.
+    rids = [engine.add_request(p, GREEDY.with_(return_routing=moe)) for p in PROMPTS]
+    for _ in range(5):
+        engine.step()
+    engine.release_memory()
+    engine.resume_memory()
+    while engine.has_unfinished:
+        engine.step()
+    interrupted = [engine.take_result(rid) for rid in rids]
     assert captures == [1], "the graphs were captured again"
     assert all(kept[b] is g for b, g in {**graphs.graphs, **graphs.pieces}.items() if b in kept)
+    single = engine.generate(PROMPTS, GREEDY.with_(return_routing=moe))  # the same requests, uninterrupted
+    assert all(s is not None for s in interrupted)
+    assert_agree_until_near_tie(model, single, interrupted, logprob_tol=0.05)  # type: ignore[arg-type]
     assert [s.response_ids for s in after] == [s.response_ids for s in before]
     assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
     if moe:
