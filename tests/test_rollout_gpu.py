@@ -1015,7 +1015,9 @@ def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
     assert all(kept[b] is g for b, g in {**graphs.graphs, **graphs.pieces}.items() if b in kept)
     single = engine.generate(PROMPTS, GREEDY.with_(return_routing=moe))  # the same requests, uninterrupted
     assert all(s is not None for s in interrupted)
-    assert_agree_until_near_tie(model, single, interrupted, logprob_tol=0.05)  # type: ignore[arg-type]
+    # The retracted requests recompute their tokens through prefill kernels (MoE: the grouped experts, not
+    # the fused decode ones), so they agree with the uninterrupted run to the mixed-kernel tolerance.
+    assert_agree_until_near_tie(model, single, interrupted, logprob_tol=0.25)  # type: ignore[arg-type]
     assert [s.response_ids for s in after] == [s.response_ids for s in before]
     assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
     if moe:
