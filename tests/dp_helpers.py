@@ -51,7 +51,7 @@ def make_trainer(model: CausalLM, case: dict, dp: DataParallel) -> TorchTrainer:
         global_batch_size=case["global_batch_size"],
         micro_batch_tokens=case.get("micro_batch_tokens", 24),
         epochs_per_rollout=case.get("epochs", 1),
-        optim=OptimConfig(grad_clip=1.0, weight_decay=0.01),
+        optim=OptimConfig(grad_clip=1.0, weight_decay=0.01, eps=case.get("eps", 1e-8)),
         lr=case.get("lr", 1e-2),
     )
     algorithm = AlgorithmConfig(loss_agg=case["loss_agg"], tis=case.get("tis", False), entropy_coef=0.01)

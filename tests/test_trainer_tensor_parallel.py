@@ -52,7 +52,10 @@ def test_shards_of_every_weight_put_back_together() -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tensor_parallel_update_equals_one_process(name: str, tmp_path: Path) -> None:
-    case = {"vocab": 32, **CASES[name], "num_samples": 6, "loss_agg": "token_mean"}
+    # AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps, the last-bit
+    # differences of TP's other reduction order move it by up to lr * |dg| / eps (1e-4 of the 1e-2 lr was seen
+    # on one CPU model with eps 1e-8). A larger eps keeps the comparison well-conditioned at the same atol.
+    case = {"vocab": 32, "eps": 1e-6, **CASES[name], "num_samples": 6, "loss_agg": "token_mean"}
     world = case["world"]
     mp.start_processes(
         tp_worker,
