@@ -74,9 +74,9 @@ class KVPool:
         self.routing: torch.Tensor | None = None
         self.region: VirtualRegion | None = None
         if keep_addresses:
-            self.region = VirtualRegion(VirtualRegion.bytes_for(self._storage_shapes()), device)
-            self.k_cache, self.v_cache, *routing = (self.region.carve(*ds) for ds in self._storage_shapes())
-            self.routing = routing[0] if routing else None
+            shapes = self._storage_shapes()
+            self.region = VirtualRegion(VirtualRegion.bytes_for(shapes), device)
+            self._hold([self.region.carve(dtype, shape) for dtype, shape in shapes])
         self._allocated = False
         self.allocate()
 
@@ -89,6 +89,11 @@ class KVPool:
             shapes.append((torch.int16, (self.num_slots, *lay.routing_shape)))
         return shapes
 
+    def _hold(self, storage: list[torch.Tensor]) -> None:
+        """k, v and (when routing is recorded) the routing store, in `_storage_shapes()` order."""
+        self.k_cache, self.v_cache, *routing = storage
+        self.routing = routing[0] if routing else None
+
     def allocate(self) -> None:
         if self.region is not None:
             self.region.map()
@@ -96,10 +101,12 @@ class KVPool:
                 if t is not None:
                     t.zero_()  # fresh mappings hold whatever the memory held last, NaN bit patterns included
         else:
-            self.k_cache, self.v_cache, *routing = (
-                torch.zeros(shape, dtype=dtype, device=self.device) for dtype, shape in self._storage_shapes()
+            self._hold(
+                [
+                    torch.zeros(shape, dtype=dtype, device=self.device)
+                    for dtype, shape in self._storage_shapes()
+                ]
             )
-            self.routing = routing[0] if routing else None
         self._allocated = True
         lay = self.layout
         self._free = [torch.arange(1, self.num_pages, dtype=torch.int32, device=self.device)]
