@@ -121,7 +121,11 @@ class RolloutConfig:
     deterministic: bool = False
     """Batch-invariant kernels so a request's result does not depend on its batch."""
     speculative: str = "off"
-    """Speculative decoding: off | ngram (drafts from the request's own tokens; exact, same samples)."""
+    """Speculative decoding, exact (the same samples as without): off | ngram (drafts from the request's own
+    tokens) | draft (drafts from a smaller model, `spec_draft_model`)."""
+    spec_draft_model: str | None = None
+    """The draft model of speculative=draft: a checkpoint folder (or builtin: / init: / smollm2: as for
+    model.path) with the model's tokenizer; loaded in the model's dtype on its device."""
     spec_draft_tokens: int = 4
     """Most draft tokens verified per request and step."""
     spec_ngram_max: int = 3

@@ -404,8 +404,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="decode attention on tensor cores or CUDA cores (auto: tensor cores from 4 q heads per KV head)",
     )
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--speculative", default="off", choices=["off", "ngram"])
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"])
     p.add_argument("--spec-draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="--speculative draft: checkpoint path, preset (random weights of their own, so drafts are rarely "
+        "accepted: the draft's cost alone) or `self` (the model drafts for itself: every draft right)",
+    )
     p.add_argument(
         "--overlap",
         default="auto",
@@ -468,6 +474,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def bench_draft_model(
+    a: argparse.Namespace, model: CausalLM, dtype: torch.dtype, device: torch.device
+) -> CausalLM | None:
+    if a.speculative != "draft":
+        return None
+    if not a.draft_model:
+        raise SystemExit("miles bench rollout: --speculative draft needs --draft-model PATH|PRESET|self")
+    if a.draft_model == "self":
+        return model
+    if a.draft_model in PRESETS or a.draft_model in _BENCH_PRESETS:
+        if a.draft_model in _BENCH_PRESETS:
+            args = ModelArgs(**_BENCH_PRESETS[a.draft_model])
+        else:
+            args = preset_args(a.arch if a.draft_model == "tiny" else None, a.draft_model)
+        args.vocab_size = model.args.vocab_size
+        args.max_position_embeddings = model.args.max_position_embeddings
+        return build_random_model(args, dtype, device, seed=a.seed + 1).eval()
+    return from_pretrained(a.draft_model, dtype=dtype, device=device).eval()
+
+
 def main(argv: list[str]) -> int:
     a = parse(argv)
     if a.repeat < 1 or (a.repeat > 1 and a.profile):
@@ -513,7 +539,7 @@ def main(argv: list[str]) -> int:
         speculative=a.speculative,
         spec_draft_tokens=a.spec_draft_tokens,
     )
-    engine = Engine(model, None, cfg)
+    engine = Engine(model, None, cfg, draft_model=bench_draft_model(a, model, dtype, device))
     gen = torch.Generator().manual_seed(a.seed)
     prompts = torch.randint(0, args.vocab_size, (a.num_prompts, a.input_len), generator=gen).tolist()
     params = SamplingParams(
@@ -524,7 +550,10 @@ def main(argv: list[str]) -> int:
     warm = torch.randint(
         0, args.vocab_size, (min(8, a.num_prompts), min(a.input_len, 64)), generator=gen
     ).tolist()
-    engine.generate(warm, params.with_(max_new_tokens=4, n=1))
+    # With speculation the warm-up must run full drafts too (a verify graph, the draft model's own graphs
+    # and kernels): a request drafts only spec_draft_tokens short of its end.
+    warm_tokens = 4 + (a.spec_draft_tokens + 1 if a.speculative != "off" else 0)
+    engine.generate(warm, params.with_(max_new_tokens=warm_tokens, n=1))
     breakdown: dict[str, float] = {}
     if a.breakdown:
         add_breakdown(engine, breakdown)
@@ -612,6 +641,8 @@ def main(argv: list[str]) -> int:
         "dropped_rows": stats.dropped_rows,
         "speculative": a.speculative,
         "spec_accept_length": 1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0,
+        "spec_draft_s": stats.spec_draft_s,
+        "draft_model": a.draft_model if a.speculative == "draft" else None,
         "kv_pool_tokens": engine.pool.capacity_tokens,
         "kv_virtual_memory": engine.pool.keeps_addresses,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) + engine.pool.bytes_outside_allocator

@@ -96,14 +96,22 @@ def _build(source: Path, out: Path) -> None:
         os.replace(built, out)
 
 
+def library_name() -> str:
+    """The built library's file name: one per source, flags and CPU."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_key()).hexdigest()[:16]
+    return f"cpu_attention-{key}.so"
+
+
+def library_cache() -> Path:
+    return Path(os.environ.get("MILES_KERNEL_CACHE", Path.home() / ".cache" / "miles" / "kernels"))
+
+
 def _load() -> Any:
     global _function
     if _function is not None:
         return _function
-    code = _SOURCE.read_bytes()
-    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + _cpu_key()).hexdigest()[:16]
-    cache = Path(os.environ.get("MILES_KERNEL_CACHE", Path.home() / ".cache" / "miles" / "kernels"))
-    path = cache / f"cpu_attention-{key}.so"
+    cache = library_cache()
+    path = cache / library_name()
     if not path.exists():
         try:
             cache.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
 from miles.rollout import virtual_memory
 from miles.rollout.attention_flashinfer import check_decode_kernel
+from miles.rollout.draft_model import DraftModel
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
@@ -107,6 +108,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_s: float = 0.0
+    """Wall time spent proposing drafts (the draft model's forwards and draws, or the n-gram lookups)."""
     device_wait_s: float = 0.0
     """Overlap scheduling: host time spent waiting for a step's tokens. Near 0, the device waited for the
     host instead (host-bound); near the step time, the host kept ahead of the device."""
@@ -137,11 +140,20 @@ class _Launched:
 
 class Engine:
     def __init__(
-        self, model: CausalLM, tokenizer: Any | None, cfg: RolloutConfig, reserve_bytes: int = 0
+        self,
+        model: CausalLM,
+        tokenizer: Any | None,
+        cfg: RolloutConfig,
+        reserve_bytes: int = 0,
+        draft_model: CausalLM | None = None,
     ) -> None:
         """`reserve_bytes`: device memory that others will allocate later (a colocated trainer's optimizer
-        state and gradients), left out of the free memory the KV pool takes its fraction of (GPU)."""
+        state and gradients), left out of the free memory the KV pool takes its fraction of (GPU).
+        `draft_model`: the model proposing drafts with `rollout.speculative=draft` (else loaded from
+        `rollout.spec_draft_model`)."""
         self._reserve_bytes = max(0, int(reserve_bytes))
+        if cfg.speculative not in ("off", "ngram", "draft"):
+            raise ValueError(f"rollout.speculative must be off, ngram or draft, got {cfg.speculative!r}")
         if cfg.page_size < 1:
             raise ValueError(f"rollout.page_size must be >= 1, got {cfg.page_size}")
         if cfg.cuda_graph_piecewise_min_batch < 0:
@@ -166,7 +178,18 @@ class Engine:
         model.eval()
         self.backend = resolve_backend(cfg.backend, self.device, self.dtype, self.args.head_dim)
         layout = KVLayout.for_model(self.args, self.dtype, cfg.page_size, cfg.record_routing)
-        self.pool = KVPool(layout, self._pool_pages(layout), self.device, self._keep_kv_addresses())
+        # Deterministic mode never speculates (its point is reproducibility, and a verify chunk is not batch
+        # invariant).
+        spec_mode = "off" if cfg.deterministic else cfg.speculative
+        draft = self._draft_model(model, cfg, draft_model) if spec_mode == "draft" else None
+        budget = self._kv_budget_bytes()
+        draft_layout = None
+        if draft is not None:
+            # The draft pool gets the share of the budget that gives it as many tokens as the engine's pool.
+            draft_layout = KVLayout.for_model(draft.args, draft.dtype, 1)
+            per_token = layout.bytes_per_token + draft_layout.bytes_per_token
+            budget = budget * layout.bytes_per_token // per_token
+        self.pool = KVPool(layout, layout.pages_for_bytes(budget), self.device, self._keep_kv_addresses())
         self.max_context = self.args.context_length
         if cfg.max_context is not None:
             if not 1 < cfg.max_context <= self.max_context:
@@ -206,8 +229,11 @@ class Engine:
             cfg.record_routing,
             cfg.flashinfer_decode,
             # Rows per request of a verify step, for its CUDA graphs (drafts padded to spec_draft_tokens).
-            1 + cfg.spec_draft_tokens if cfg.speculative == "ngram" and not cfg.deterministic else 0,
+            1 + cfg.spec_draft_tokens if spec_mode != "off" else 0,
         )
+        self.drafter: DraftModel | None = None
+        if draft is not None and draft_layout is not None:
+            self.drafter = self._build_drafter(draft, draft_layout, graph_batch)
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
@@ -230,11 +256,9 @@ class Engine:
         self.overlap = not cfg.deterministic and (
             cfg.overlap_schedule == "on" or (cfg.overlap_schedule == "auto" and on_gpu)
         )
-        if cfg.speculative not in ("off", "ngram"):
-            raise ValueError(f"rollout.speculative must be off or ngram, got {cfg.speculative!r}")
         if cfg.speculative != "off" and cfg.spec_draft_tokens < 1:
             raise ValueError(f"rollout.spec_draft_tokens must be >= 1, got {cfg.spec_draft_tokens}")
-        self.speculative = cfg.speculative == "ngram" and not cfg.deterministic
+        self.speculative = spec_mode != "off"
         NgramIndex(cfg.spec_ngram_max, cfg.spec_ngram_min)  # checks the n-gram sizes now, not mid-run
         # Drafts come from the newest tokens, so speculation needs each step's tokens before planning the next.
         self.overlap = self.overlap and not self.speculative
@@ -288,14 +312,64 @@ class Engine:
         # auto: only where the pool will be released; otherwise torch's allocator keeps it in its accounting
         return self.cfg.release_kv_during_train and virtual_memory.supported(self.device)
 
-    def _pool_pages(self, layout: KVLayout) -> int:
+    def _kv_budget_bytes(self) -> int:
+        """Bytes for the KV pool(s): a fraction of the free device memory, or kv_cache_bytes on CPU."""
         if self.device.type == "cuda":
             virtual_memory.free_orphans()  # a dead engine's pool, collected during a capture
             torch.cuda.synchronize(self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
             free = max(0, free - self._reserve_bytes)
-            return layout.pages_for_bytes(int(free * self.cfg.kv_cache_fraction))
-        return layout.pages_for_bytes(self.cfg.kv_cache_bytes)
+            return int(free * self.cfg.kv_cache_fraction)
+        return self.cfg.kv_cache_bytes
+
+    def _draft_model(self, model: CausalLM, cfg: RolloutConfig, draft: CausalLM | None) -> CausalLM:
+        if draft is None:
+            if not cfg.spec_draft_model:
+                raise ValueError(
+                    "rollout.speculative=draft needs a draft model: set rollout.spec_draft_model to a checkpoint "
+                    "folder (a smaller model with the same tokenizer), or use rollout.speculative=ngram"
+                )
+            from miles.model_io import load_model, resolve_path
+
+            dtype = str(model.dtype).removeprefix("torch.")
+            folder = resolve_path(cfg.spec_draft_model)  # a folder needs no tokenizer: the model's is used
+            if folder is not None:
+                draft = from_pretrained(folder, dtype=dtype, device=model.device)
+            else:
+                draft = load_model(cfg.spec_draft_model, dtype, str(model.device), seed=cfg.seed + 1).model
+        if draft.args.vocab_size != model.args.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.args.vocab_size} tokens) differs from the model's "
+                f"({model.args.vocab_size}): a draft model must share the model's tokenizer"
+            )
+        if draft.device != model.device or draft.dtype != model.dtype:
+            raise ValueError(
+                f"the draft model is {draft.dtype} on {draft.device}, the model {model.dtype} on {model.device}: "
+                "load it with the model's dtype and device"
+            )
+        return draft.eval()
+
+    def _build_drafter(self, draft: CausalLM, layout: KVLayout, graph_batch: int) -> DraftModel:
+        cfg = self.cfg
+        pool = KVPool(layout, self.pool.capacity_tokens + 1, self.device, self._keep_kv_addresses())
+        width = min(self.max_context, draft.args.context_length, pool.capacity_tokens)
+        table = RequestTable(cfg.max_running_requests, width, self.device)
+        backend = resolve_backend(cfg.backend, self.device, self.dtype, draft.args.head_dim)
+        runner = ModelRunner(
+            draft,
+            pool,
+            table,
+            backend,
+            False,
+            self.det_chunk,
+            graph_batch,
+            cfg.flashinfer_kernel,
+            self._use_fused_kernels(cfg),
+            cfg.cuda_graph_piecewise_min_batch,
+            False,
+            cfg.flashinfer_decode,
+        )
+        return DraftModel(runner, cfg.max_batch_tokens)
 
     @property
     def weight_version(self) -> int:
@@ -508,7 +582,9 @@ class Engine:
         if self._maybe_stalled:  # the last plan left a running request out: its limit may have been lowered
             finished.extend(self._finish_stalled())
         if self.speculative:
+            drafting = time.perf_counter()
             self._propose_drafts()
+            self.stats.spec_draft_s += time.perf_counter() - drafting
         plan = self.scheduler.schedule(in_flight=self._in_flight is not None)
         self._maybe_stalled = plan.stalled_waiting or len(plan.chunks) < len(self.scheduler.running)
         self.stats.preemptions += len(plan.retracted)
@@ -569,8 +645,9 @@ class Engine:
                 for r in running
             ):
                 return
-        proposed = False
-        for req in self.scheduler.running:
+        running = self.scheduler.running
+        wanted: list[tuple[Request, int]] = []
+        for req in running:
             req.draft = []
             # Not before the first output token: the chunk that ends the prompt is a prefill (it goes into
             # the radix cache, which must never hold draft positions).
@@ -578,20 +655,30 @@ class Engine:
                 continue
             # Bounded so that the kept tokens never pass max_new_tokens or the context.
             k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.max_context - req.seq_len)
-            if k <= 0:
-                continue
-            index = req.ngram
-            if index is None or len(index.tokens) > req.seq_len:  # new, or its output was reset
-                index = req.ngram = NgramIndex(cfg.spec_ngram_max, cfg.spec_ngram_min)
-                index.extend(req.prompt_ids)
-            index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
-            req.draft = index.propose(k)
+            if k > 0:
+                wanted.append((req, k))
+        if self.drafter is not None:
+            drafts = self.drafter.propose(
+                [req for req, _ in wanted], [k for _, k in wanted], {req.rid for req in running}
+            )
+            for (req, _), draft in zip(wanted, drafts):
+                req.draft = draft
+        else:
+            for req, k in wanted:
+                index = req.ngram
+                if index is None or len(index.tokens) > req.seq_len:  # new, or its output was reset
+                    index = req.ngram = NgramIndex(cfg.spec_ngram_max, cfg.spec_ngram_min)
+                    index.extend(req.prompt_ids)
+                index.extend(req.output_ids[len(index.tokens) - len(req.prompt_ids) :])
+                req.draft = index.propose(k)
+        proposed = False
+        for req, k in wanted:
             req.draft_proposed = len(req.draft)
             proposed = proposed or bool(req.draft)
             if graph_limit:
                 req.draft += [(req.draft or req.output_ids)[-1]] * (k - len(req.draft))
         if graph_limit and not proposed:  # filler tokens alone: a verify step would likely keep one token
-            for req in self.scheduler.running:
+            for req in running:
                 req.draft = []
 
     def _drain(self) -> None:
@@ -638,6 +725,8 @@ class Engine:
         self.flush_cache()
         self.runner.release(keep_graphs=self.pool.keeps_addresses)
         self.pool.release()
+        if self.drafter is not None:
+            self.drafter.release()
         self._released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -648,6 +737,8 @@ class Engine:
         if self.device.type == "cuda":  # the trainer's freed blocks, cached in pieces, make room for the pool
             torch.cuda.empty_cache()
         self.pool.allocate()
+        if self.drafter is not None:
+            self.drafter.resume()
         self._released = False
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
@@ -678,6 +769,7 @@ class Engine:
             "rollout/spec_draft_tokens": float(s.spec_draft_tokens),
             "rollout/spec_proposed_tokens": float(s.spec_proposed_tokens),
             "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),
+            "rollout/spec_draft_s": s.spec_draft_s,
             "rollout/weight_version": float(self._weight_version),
             "rollout/device_wait_s": s.device_wait_s,
         }
@@ -1050,6 +1142,8 @@ class Engine:
         req.inflight_tokens = 0
         routed = self._routing_of(req) if req.params.return_routing else None
         self.kv.release(req)  # all it computed: those keys and values are right, whatever is returned
+        if self.drafter is not None:
+            self.drafter.forget(req.rid)
         self.scheduler.remove(req)
         limit = req.params.max_new_tokens
         if len(req.output_ids) > limit:

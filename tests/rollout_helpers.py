@@ -81,3 +81,8 @@ def assert_pool_clean(engine: Any) -> None:
     assert engine.pool.free_tokens + cached == engine.pool.capacity_tokens
     assert tree is None or tree.protected_size == 0
     assert engine.kv.table.num_free == engine.kv.table.max_requests
+    drafter = getattr(engine, "drafter", None)
+    if drafter is not None:  # the draft model's pool: every finished request's sequence dropped
+        assert not drafter.seqs
+        assert drafter.pool.free_tokens == drafter.pool.capacity_tokens
+        assert drafter.table.num_free == drafter.table.max_requests

@@ -4,6 +4,7 @@ its fallback when it cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -168,15 +169,29 @@ def test_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
 def test_an_unwritable_cache_builds_in_a_private_folder(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import shutil
     from pathlib import Path
 
+    cpu_attention._load()  # the library in the usual cache (the other tests of this file build it too)
+    reference = cpu_attention.library_cache() / cpu_attention.library_name()
     blocker = Path(str(tmp_path)) / "a_file"
     blocker.write_text("")  # the cache folder would have to be inside a file: it cannot be made
     monkeypatch.setattr(cpu_attention, "_function", None)
     monkeypatch.setattr(cpu_attention.kernel, "on", True)
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(blocker / "cache"))
+    built: list[Path] = []
+
+    def copy_the_built_library(source: Path, out: Path) -> None:
+        # Compiling again costs a minute at -O3 on two cores; what is under test is where it goes.
+        built.append(out)
+        shutil.copy(reference, out)
+
+    monkeypatch.setattr(cpu_attention, "_build", copy_the_built_library)
     plan = cpu_attention.DecodePlan(torch.tensor([1], dtype=torch.int32))
     keys, values = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
     out = plan.attend(torch.randn(1, 1, 16), None, (_transposed(keys, 16), values), 0.25)
     assert out is not None and cpu_attention.kernel.on
     torch.testing.assert_close(out, values[:, :, :1].expand(1, 1, 1, 16))  # one key: its value
+    # Built once, in a new folder of this process's own, not under the cache that could not be made.
+    assert len(built) == 1 and built[0].parent.name.startswith("miles-kernels-"), built
+    assert built[0].parent.stat().st_uid == os.getuid() and not (blocker / "cache").exists()

@@ -463,6 +463,64 @@ def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int, moe
     assert_agree_until_near_tie(model, plain, eager, logprob_tol=0.05, near_tie=0.5 if moe else NEAR_TIE)
 
 
+def generate_counting_graphs(
+    engine: Engine, params: SamplingParams
+) -> tuple[list[Sample], list[int], list[int]]:
+    """Samples, and the batch sizes of the verify graphs and of the draft model's decode graphs replayed."""
+    assert engine.drafter is not None
+    graphs, draft_graphs = engine.runner.graphs, engine.drafter.runner.graphs
+    assert graphs is not None and draft_graphs is not None
+    verified: list[int] = []
+    drafted: list[int] = []
+    replay_verify, replay_draft = graphs._replay_verify, draft_graphs.replay
+
+    def counting_verify(batch: object) -> object:
+        verified.append(batch.batch_size)  # type: ignore[attr-defined]
+        return replay_verify(batch)  # type: ignore[arg-type]
+
+    def counting_draft(batch: object) -> object:
+        drafted.append(batch.batch_size)  # type: ignore[attr-defined]
+        return replay_draft(batch)  # type: ignore[arg-type]
+
+    graphs._replay_verify = counting_verify  # type: ignore[method-assign]
+    draft_graphs.replay = counting_draft  # type: ignore[method-assign]
+    return engine.generate(PROMPTS, params), verified, drafted
+
+
+@pytest.mark.parametrize("draft_kind", ["copy", "unrelated"])
+def test_draft_model_speculation_on_cuda_matches_plain_decoding(draft_kind: str) -> None:
+    """A draft model (rollout.speculative=draft) on the GPU: its decode steps replay its own CUDA graphs, the
+    engine's verify steps replay the verify graphs, and the tokens are plain decoding's until a near-tie
+    (verify and decode kernels round differently in bf16). A copy of the model drafts for itself: nearly
+    every draft is accepted, at temperature 1 too (its draws share plain decoding's random numbers)."""
+    model = gpu_model(moe=False, seed=7)
+    draft = copy.deepcopy(model) if draft_kind == "copy" else gpu_model(moe=False, seed=8)
+    cfg = config(backend="flashinfer", cuda_graph=True)
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3)
+    for params in (GREEDY.with_(n=2, max_new_tokens=32), sampled):
+        plain = Engine(model, None, cfg).generate(PROMPTS, params)
+        engine = Engine(
+            model, None, replace(cfg, speculative="draft", spec_draft_tokens=3), draft_model=draft
+        )
+        assert engine.runner.graphs is not None and engine.runner.graphs.verify_len == 4
+        spec, verified, drafted = generate_counting_graphs(engine, params)
+        metrics = engine.metrics()
+        assert verified and drafted, (verified, drafted)
+        assert metrics["rollout/spec_draft_tokens"] == 3 * sum(verified), (verified, metrics)
+        drafter = engine.drafter
+        assert drafter is not None and not drafter.seqs
+        assert drafter.pool.free_tokens == drafter.pool.capacity_tokens
+        if draft_kind == "copy":
+            assert metrics["rollout/spec_accepted_tokens"] > 0.8 * metrics["rollout/spec_draft_tokens"], (
+                metrics
+            )
+        if params.temperature == 0.0:
+            assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
+        else:  # the same draws: tokens agree unless bf16 rounding moves a draw across a token boundary
+            same = sum(a.response_ids == b.response_ids for a, b in zip(plain, spec))
+            assert same >= len(plain) // 2, [(a.response_ids, b.response_ids) for a, b in zip(plain, spec)]
+
+
 def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
     """The decode-step microbenchmark runs each schedule as a CUDA graph (small shape: it checks the
     plumbing, not the numbers)."""

@@ -1,0 +1,342 @@
+"""Draft tokens for speculative decoding from a smaller model (`rollout.speculative=draft`).
+
+The draft model keeps its own paged KV cache (a pool and request table of its own, the engine's attention
+backend and CUDA graphs) over the tokens it has been fed for each running request. Proposing for a step:
+feed every request the tokens it has not seen yet (its prompt the first time, then the tokens the last
+verify step kept), in chunks of at most `max_batch_tokens`, then run k - 1 decode steps on its own drafts.
+Positions it computed for drafts the target rejected are simply written again: the cache of a sequence is
+valid up to the first token that differs from the request's.
+
+Each draft token is drawn with the uniform number plain decoding uses at that response position and the
+request's own sampling settings (sampling.py), from the draft's distribution. Verification keeps the
+target's draws, so the samples stay exactly plain decoding's whatever the draft; sharing the random number
+couples the two inverse-CDF draws, so a draft whose distribution is close to the target's proposes the very
+token the target then samples, at any temperature, not only under greedy decoding.
+
+Drafting is optional per request: a request whose sequence the draft pool cannot hold this step, or that
+is past the draft model's context, gets no draft and decodes one token as without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from miles.models.model import CausalLM
+from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
+from miles.rollout.kv_manager import KVManager
+from miles.rollout.kv_pool import KVPool, RequestTable
+from miles.rollout.model_runner import ModelRunner
+from miles.rollout.request import Request
+from miles.rollout.sampling import SamplingTensors, mix_seeds, sample, uniforms_of_mixed
+
+
+@dataclass
+class DraftSequence:
+    """The draft model's state for one request."""
+
+    row: int
+    """Its row of the draft's request table."""
+    output_ids: list[int]
+    """The request's output list it follows (a request whose output is reset gets a new list)."""
+    fed: list[int]
+    """Tokens fed so far: positions [0, len(fed)) have draft keys and values."""
+    agreed: int = 0
+    """Positions [0, agreed) of `fed` are known to equal the request's tokens."""
+    slots: int = 0
+    """Positions [0, slots) of its row have KV slots."""
+
+
+_DECODED_CATCH_UP = 4
+"""Most new tokens of a request fed to the draft as decode steps (CUDA graphs) rather than one forward."""
+
+
+@dataclass
+class _Work:
+    """A request drafted for in this proposal."""
+
+    index: int
+    """Its place in `propose`'s arguments."""
+    req: Request
+    seq: DraftSequence
+    start: int
+    """The first position fed (what the sequence holds before it agrees with the request)."""
+    k: int
+    """Drafts it gets."""
+
+
+class DraftModel:
+    def __init__(self, runner: ModelRunner, max_batch_tokens: int) -> None:
+        self.runner = runner
+        self.model: CausalLM = runner.model
+        self.pool: KVPool = runner.pool
+        self.table: RequestTable = runner.table
+        self.kv = KVManager(self.pool, self.table, None)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_context = min(self.model.args.context_length, self.table.max_context)
+        self.device = self.model.device
+        self.catch_up_by_decoding = runner.graphs is not None
+        """Feed the few tokens a verify step kept as decode steps (graph replays), not one eager forward."""
+        self.seqs: dict[int, DraftSequence] = {}
+        """Request id -> its draft state, for the requests of the last `propose`."""
+
+    # state ---------------------------------------------------------------------------------------
+    def _drop(self, rid: int) -> None:
+        seq = self.seqs.pop(rid)
+        if seq.slots:
+            self.pool.free_slots(self.table.table[seq.row, : seq.slots])
+        self.table.free(seq.row)
+
+    def forget(self, rid: int) -> None:
+        """Drop a finished request's sequence."""
+        if rid in self.seqs:
+            self._drop(rid)
+
+    def reset(self) -> None:
+        """Forget every sequence (their slots go back to the pool)."""
+        for rid in list(self.seqs):
+            self._drop(rid)
+        self.runner.release(keep_graphs=True)
+
+    def release(self) -> None:
+        self.reset()
+        self.runner.release(keep_graphs=self.pool.keeps_addresses)
+        self.pool.release()
+
+    def resume(self) -> None:
+        self.pool.allocate()
+
+    def _sequence(self, req: Request) -> DraftSequence | None:
+        seq = self.seqs.get(req.rid)
+        if seq is not None and seq.output_ids is not req.output_ids:  # reset (retracted on a weight update)
+            seq.output_ids, seq.agreed = req.output_ids, min(seq.agreed, len(req.prompt_ids))
+        if seq is None:
+            if not self.table.num_free:
+                return None
+            seq = self.seqs[req.rid] = DraftSequence(self.table.alloc(), req.output_ids, [])
+        return seq
+
+    def _agreed(self, seq: DraftSequence, req: Request) -> int:
+        """Length of the common prefix of what the sequence was fed and the request's tokens, short of the
+        request's last token (always fed: its logits give the first draft)."""
+        end = min(len(seq.fed), req.seq_len - 1)
+        at = min(seq.agreed, end)
+        if at < end:
+            for fed, token in zip(seq.fed[at:end], req.tokens(at, end)):
+                if fed != token:
+                    break
+                at += 1
+        return at
+
+    # proposing -----------------------------------------------------------------------------------
+    def propose(self, reqs: list[Request], ks: list[int], keep: set[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens to follow each request's sequence ([] where it cannot draft). Sequences
+        of requests neither in `reqs` nor in `keep` (the running requests' ids) are dropped."""
+        for rid in [rid for rid in self.seqs if rid not in keep]:
+            self._drop(rid)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        work: list[_Work] = []
+        needs: list[int] = []
+        free = self.pool.free_tokens
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            k = min(k, self.max_context - req.seq_len + 1)
+            if k <= 0:
+                continue
+            seq = self._sequence(req)
+            if seq is None:
+                continue
+            # Positions it will write: the request's tokens from where it disagrees, then drafts 0 .. k - 2.
+            need = max(0, req.seq_len + k - 1 - seq.slots)
+            if need > free:
+                continue
+            free -= need
+            needs.append(need)
+            work.append(_Work(i, req, seq, self._agreed(seq, req), k))
+        if not work:
+            return drafts
+        self._allocate(work, needs)
+        draws = _Draws(work, self.model.args.vocab_size, self.device)
+        # Every draft token stays on the device until all are drawn: one read for the whole proposal.
+        column = self._catch_up(work, draws)
+        columns = [column]
+        for step in range(1, max(w.k for w in work)):  # decode steps, each feeding the newest drafts
+            active = [j for j, w in enumerate(work) if w.k > step]
+            subset = len(active) < len(work)
+            index = host_to_device(np.asarray(active, dtype=np.int64), self.device) if subset else None
+            fed = column[index] if index is not None else column
+            starts = np.fromiter((work[j].req.seq_len + step - 1 for j in active), np.int64, len(active))
+            logits = self._forward([work[j].seq for j in active], np.ones(len(active), np.int64), starts, fed)
+            tokens = draws.sample(logits, active, step)
+            if index is not None:
+                column = column.clone()
+                column[index] = tokens
+            else:
+                column = tokens
+            columns.append(column)
+        drawn = torch.stack(columns, dim=1).tolist()
+        for w, row in zip(work, drawn):
+            drafts[w.index] = row[: w.k]
+            w.seq.fed.extend(row[: w.k - 1])  # fed by the decode steps
+        return drafts
+
+    def _allocate(self, work: list[_Work], needs: list[int]) -> None:
+        """Slots for the positions each sequence will write that its row does not hold yet, in one call."""
+        grow = [(w.seq, need) for w, need in zip(work, needs) if need]
+        if not grow:
+            return
+        rows = np.fromiter((seq.row for seq, _ in grow), np.int64, len(grow))
+        starts = np.fromiter((seq.slots for seq, _ in grow), np.int64, len(grow))
+        self.kv.alloc_extend(rows, starts, np.fromiter((n for _, n in grow), np.int64, len(grow)))
+        for seq, need in grow:
+            seq.slots += need
+
+    def _catch_up(self, work: list[_Work], draws: _Draws) -> torch.Tensor:
+        """Feed each request's tokens from its `start` to its last; returns the first draft token of each
+        (drawn from its last token's logits), on the device. Where the draft's decode steps replay CUDA
+        graphs, the few tokens a verify step kept are fed as decode steps (one graph replay per token, where
+        a multi-token forward would run eagerly, layer by layer); longer runs go in chunks."""
+        first = torch.zeros(len(work), dtype=torch.long, device=self.device)
+        short: list[int] = []
+        if self.catch_up_by_decoding:
+            short = [j for j, w in enumerate(work) if w.req.seq_len - w.start <= _DECODED_CATCH_UP]
+        if short:
+            first[self._index(short, len(work))] = self._catch_up_by_decoding(work, short, draws)
+        rest = sorted(set(range(len(work))) - set(short))
+        if rest:
+            first[self._index(rest, len(work))] = self._catch_up_in_chunks(work, rest, draws)
+        return first
+
+    def _index(self, picked: list[int], total: int) -> torch.Tensor | slice:
+        if len(picked) == total:
+            return slice(None)
+        return host_to_device(np.asarray(picked, dtype=np.int64), self.device)
+
+    def _catch_up_by_decoding(self, work: list[_Work], picked: list[int], draws: _Draws) -> torch.Tensor:
+        """Decode steps over the picked requests' new tokens, aligned to end together: step r feeds the
+        requests with at least `rounds - r` tokens left. Only the last step's logits are drawn from."""
+        left = {j: work[j].req.seq_len - work[j].start for j in picked}
+        rounds = max(left.values())
+        logits = torch.empty(0)
+        for r in range(rounds):
+            active = [j for j in picked if left[j] >= rounds - r]
+            positions = np.fromiter(
+                (work[j].req.seq_len - (rounds - r) for j in active), np.int64, len(active)
+            )
+            ids = [work[j].req.tokens(int(p), int(p) + 1)[0] for j, p in zip(active, positions)]
+            fed = host_to_device(np.asarray(ids, dtype=np.int64), self.device)
+            logits = self._forward(
+                [work[j].seq for j in active], np.ones(len(active), np.int64), positions, fed
+            )
+        for j in picked:
+            seq, start, end = work[j].seq, work[j].start, work[j].req.seq_len
+            del seq.fed[start:]
+            seq.fed.extend(work[j].req.tokens(start, end))
+            seq.agreed = end
+        return draws.sample(logits, picked, 0)
+
+    def _catch_up_in_chunks(self, work: list[_Work], picked: list[int], draws: _Draws) -> torch.Tensor:
+        """Forwards of at most max_batch_tokens over the picked requests' tokens from their `start`."""
+        first = torch.zeros(len(picked), dtype=torch.long, device=self.device)
+        todo = [(p, work[j].start) for p, j in enumerate(picked)]
+        while todo:
+            budget = self.max_batch_tokens
+            batch: list[tuple[int, int, int]] = []  # (place in `picked`, start, length)
+            rest: list[tuple[int, int]] = []
+            for p, start in todo:
+                end = work[picked[p]].req.seq_len
+                length = min(end - start, budget)
+                if length <= 0:
+                    rest.append((p, start))
+                    continue
+                batch.append((p, start, length))
+                budget -= length
+                if start + length < end:
+                    rest.append((p, start + length))
+            ids = [work[picked[p]].req.tokens(start, start + length) for p, start, length in batch]
+            lens = np.fromiter((length for *_, length in batch), np.int64, len(batch))
+            starts = np.fromiter((start for _, start, _ in batch), np.int64, len(batch))
+            ends = starts + lens == np.fromiter(
+                (work[picked[p]].req.seq_len for p, *_ in batch), np.int64, len(batch)
+            )
+            logits = self._forward(
+                [work[picked[p]].seq for p, *_ in batch],
+                lens,
+                starts,
+                host_to_device(np.concatenate([np.asarray(t, dtype=np.int64) for t in ids]), self.device),
+                (np.cumsum(lens) - 1)[ends],
+            )
+            done = [p for (p, *_), end in zip(batch, ends) if end]
+            if done:
+                first[self._index(done, len(picked))] = draws.sample(logits, [picked[p] for p in done], 0)
+            for (p, start, _), fed in zip(batch, ids):
+                seq = work[picked[p]].seq
+                del seq.fed[start:]
+                seq.fed.extend(fed)
+                seq.agreed = len(seq.fed)
+            todo = rest
+        return first
+
+    def _forward(
+        self,
+        seqs: list[DraftSequence],
+        lens: np.ndarray,
+        starts: np.ndarray,
+        input_ids: torch.Tensor,
+        logit_rows: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        """One forward of the draft over lens[i] tokens (packed in `input_ids`, on the device) at positions
+        starts[i].. of sequence seqs[i]; returns the logits of the tokens at `logit_rows` of the packed
+        tokens (None: every token, one per sequence, a decode step)."""
+        dev = self.device
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        positions = concat_ranges(starts, lens)
+        flat = np.repeat(rows, lens) * self.table.max_context + positions
+        device_positions, at = host_to_device(np.stack([positions, flat]), dev)
+        batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=device_positions,
+            out_slots=self.table.table.view(-1)[at].long(),
+            rows=rows.tolist(),
+            q_lens=lens.tolist(),
+            kv_lens=(starts + lens).tolist(),
+            sample_index=torch.arange(len(seqs), device=dev)
+            if logit_rows is None
+            else host_to_device(logit_rows, dev),
+            every_token_samples=logit_rows is None,
+        )
+        logits, _ = self.runner.forward(batch)
+        return logits
+
+
+class _Draws:
+    """The sampling settings of one proposal's requests, built once: each draw takes a subset of them and
+    the uniform numbers plain decoding uses at its response positions."""
+
+    def __init__(self, work: list[_Work], vocab_size: int, device: torch.device) -> None:
+        params = [w.req.params for w in work]
+        self.work, self.device = work, device
+        self.mixed = mix_seeds([w.req.seed for w in work])
+        self.outputs = np.fromiter((len(w.req.output_ids) for w in work), np.uint64, len(work))
+        self.settings = SamplingTensors.build(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            np.zeros(len(work)),
+            vocab_size,
+            device,
+        )
+
+    def sample(self, logits: torch.Tensor, picked: list[int], offset: int) -> torch.Tensor:
+        """Tokens of `logits` row i for request work[picked[i]] at response position len(output) + offset."""
+        index = np.asarray(picked, dtype=np.int64)
+        uniform = uniforms_of_mixed(self.mixed[index], self.outputs[index] + np.uint64(offset))
+        rows = (
+            self.settings
+            if len(picked) == len(self.work)
+            else self.settings.rows(host_to_device(index, self.device))
+        )
+        tokens, _ = sample(logits, replace(rows, uniform=host_to_device(uniform, self.device)))
+        return tokens

@@ -1,0 +1,166 @@
+"""Speculative decoding with a draft model (`rollout.speculative=draft`, rollout/draft_model.py): the samples
+are plain decoding's whatever the draft proposes, the draft's draws share plain decoding's random numbers,
+and its own KV cache follows preemption, chunked prefill, weight updates and memory release."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from rollout_helpers import assert_pool_clean, tiny_model
+from test_rollout_engine import PROMPTS, assert_same_samples, config, kv_bytes
+
+from miles.models import CausalLM, save_pretrained
+from miles.rollout import draft_model
+from miles.rollout.engine import Engine
+from miles.rollout.kv_pool import KVLayout
+from miles.rollout.params import SamplingParams
+from miles.sample import SampleStatus
+
+
+def noisy_copy(model: CausalLM, scale: float, seed: int = 3) -> CausalLM:
+    """The model with every weight moved by a little noise: a draft close to it, not equal."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return draft
+
+
+def draft_run(  # noqa: ANN201
+    model: CausalLM,
+    draft: CausalLM,
+    prompts,
+    params,
+    decoded_catch_up: bool = False,
+    **cfg,  # noqa: ANN001
+):
+    engine = Engine(model, None, config(speculative="draft", **cfg), draft_model=draft)
+    assert engine.drafter is not None
+    # As on CUDA with graphs: the tokens a verify step kept go to the draft as decode steps.
+    engine.drafter.catch_up_by_decoding = decoded_catch_up
+    samples = engine.generate(prompts, params)
+    assert_pool_clean(engine)
+    return samples, engine
+
+
+PEAKY_PROMPTS = [PROMPTS[0] * 2, PROMPTS[4], PROMPTS[3] * 3, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
+
+
+@pytest.mark.parametrize(
+    "setup",
+    ["close_draft_tiny_pool_chunks_pages", "close_draft_decoded_catch_up", "moe_model_dense_draft"],
+)
+def test_draft_model_speculation_gives_the_same_samples(setup: str) -> None:
+    """Tokens and statuses are plain decoding's, logprobs to float32 rounding, with a draft close to the
+    model (many drafts accepted) under preemption, chunked prefill (the draft's catch-up is chunked by the
+    same budget) and pages of 4, the kept tokens fed to the draft in one forward or as decode steps; and with an unrelated dense draft for a MoE model (few accepted)."""
+    if setup == "moe_model_dense_draft":
+        model = tiny_model(True, seed=5, max_position_embeddings=64)
+        draft = tiny_model(False, seed=9, max_position_embeddings=64)
+        cfg: dict = {}
+    else:
+        model = tiny_model(False, seed=5, max_position_embeddings=64)
+        with torch.no_grad():  # peaky logits, so that stop ids are drawn and requests end early too
+            model.lm_head.weight.mul_(4.0)
+        draft = noisy_copy(model, 0.002)
+        cfg = dict(
+            kv_cache_bytes=kv_bytes(model, 140, page_size=4),
+            page_size=4,
+            max_batch_tokens=7,
+            max_running_requests=6,
+        )
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=30, seed=7, stop_token_ids=[41])
+    plain_cfg = {k: v for k, v in cfg.items() if k != "kv_cache_bytes"}
+    plain = Engine(model, None, config(**plain_cfg)).generate(PEAKY_PROMPTS, params)
+    decoded = setup == "close_draft_decoded_catch_up"
+    got, engine = draft_run(model, draft, PEAKY_PROMPTS, params, decoded, spec_draft_tokens=3, **cfg)
+    assert_same_samples(got, plain)
+    m = engine.metrics()
+    assert m["rollout/spec_steps"] > 0 and m["rollout/spec_draft_s"] > 0
+    assert m["rollout/spec_proposed_tokens"] == m["rollout/spec_draft_tokens"]  # no filler without graphs
+    if setup == "moe_model_dense_draft":
+        assert m["rollout/spec_accepted_tokens"] < 0.5 * m["rollout/spec_draft_tokens"]
+    else:
+        assert {s.status for s in plain} == {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}
+        assert m["rollout/preemptions"] > 0, "the tiny pool was meant to force preemption"
+        assert m["rollout/spec_accepted_tokens"] > 0.3 * m["rollout/spec_draft_tokens"]
+
+
+def test_draft_draws_share_plain_decodings_random_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model drafting for itself at temperature 1 proposes the very tokens plain decoding then samples,
+    since each draft is drawn with the uniform number of its response position: nearly every draft is
+    accepted. With other uniform numbers the two draws agree only by chance."""
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11, ignore_eos=True)
+    plain = Engine(model, None, config()).generate(PROMPTS, params)
+    got, engine = draft_run(model, copy.deepcopy(model), PROMPTS, params)
+    assert_same_samples(got, plain)
+    coupled = engine.metrics()
+    assert coupled["rollout/spec_accepted_tokens"] >= 0.95 * coupled["rollout/spec_draft_tokens"]
+    assert coupled["rollout/spec_accept_length"] > 4.0
+    shifted = draft_model.uniforms_of_mixed
+
+    def other_numbers(mixed, positions):  # noqa: ANN001, ANN202
+        return (shifted(mixed, positions) + 0.5) % 1.0
+
+    monkeypatch.setattr(draft_model, "uniforms_of_mixed", other_numbers)
+    got, engine = draft_run(model, copy.deepcopy(model), PROMPTS, params)
+    assert_same_samples(got, plain)
+    independent = engine.metrics()
+    assert independent["rollout/spec_accepted_tokens"] < 0.5 * independent["rollout/spec_draft_tokens"]
+
+
+def test_the_draft_pool_shares_the_budget_and_follows_updates_and_release() -> None:
+    """The draft's pool holds as many tokens as the engine's, the two inside rollout.kv_cache_bytes; a weight
+    update that restarts requests (update_policy=retract) drops the draft's cache of their old output (the
+    draft's own weights do not change), and a memory release frees and restores the draft's pool too."""
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    draft = noisy_copy(old, 0.002)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    budget = 2 * 1024 * 1024
+    engine = Engine(old, None, config(speculative="draft", kv_cache_bytes=budget), draft_model=draft)
+    per_token = sum(KVLayout.for_model(m.args, m.dtype, 1).bytes_per_token for m in (old, draft))
+    assert engine.drafter is not None and engine.drafter.pool.capacity_tokens == engine.pool.capacity_tokens
+    assert (
+        (engine.pool.capacity_tokens + 1) * per_token
+        <= budget
+        < (engine.pool.capacity_tokens + 2) * per_token
+    )
+    rids = [engine.add_request(p, greedy) for p in PROMPTS]
+    for _ in range(2):  # the prompts, then a verify step: every request has a draft sequence
+        engine.step()
+    assert len(engine.drafter.seqs) == len(PROMPTS)
+    engine.update_weights(new.state_dict(), version=1)
+    while engine.has_unfinished:
+        engine.step()
+    on_new = Engine(new, None, config()).generate(PROMPTS, greedy)
+    assert [engine.take_result(r).response_ids for r in rids] == [s.response_ids for s in on_new]
+    assert_pool_clean(engine)
+    engine.release_memory()
+    assert not engine.drafter.pool.allocated and not engine.drafter.seqs
+    engine.resume_memory()
+    assert_same_samples(engine.generate(PROMPTS, greedy), on_new)
+    assert_pool_clean(engine)
+
+
+def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None:  # noqa: ANN001
+    model = tiny_model(seed=0)
+    with pytest.raises(ValueError, match="spec_draft_model"):
+        Engine(model, None, config(speculative="draft"))
+    with pytest.raises(ValueError, match="off, ngram or draft"):
+        Engine(model, None, config(speculative="eagle"))
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(model, None, config(speculative="draft"), draft_model=tiny_model(seed=0, vocab_size=90))
+    # A checkpoint folder without tokenizer files (the model's tokenizer is used).
+    path = save_pretrained(noisy_copy(model, 0.002), tmp_path / "draft")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    engine = Engine(model, None, config(speculative="draft", spec_draft_model=str(path)))
+    assert_same_samples(
+        engine.generate(PROMPTS, greedy), Engine(model, None, config()).generate(PROMPTS, greedy)
+    )
+    assert engine.metrics()["rollout/spec_accepted_tokens"] > 0
+    # Deterministic mode never speculates, so it loads no draft.
+    assert Engine(model, None, config(speculative="draft", deterministic=True)).drafter is None
