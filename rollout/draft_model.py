@@ -39,8 +39,6 @@ class DraftSequence:
 
     row: int
     """Its row of the draft's request table."""
-    output_ids: list[int]
-    """The request's output list it follows (a request whose output is reset gets a new list)."""
     fed: list[int]
     """Tokens fed so far: positions [0, len(fed)) have draft keys and values."""
     agreed: int = 0
@@ -68,7 +66,9 @@ class _Work:
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner, max_batch_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch_tokens: int, model_vocab_size: int) -> None:
+        """`model_vocab_size`: the vocabulary of the model drafted for (at least the draft's); token ids the
+        draft does not have are fed to it as its last id (which only makes its drafts worse)."""
         self.runner = runner
         self.model: CausalLM = runner.model
         self.pool: KVPool = runner.pool
@@ -77,10 +77,18 @@ class DraftModel:
         self.max_batch_tokens = max_batch_tokens
         self.max_context = min(self.model.args.context_length, self.table.max_context)
         self.device = self.model.device
-        self.catch_up_by_decoding = runner.graphs is not None
-        """Feed the few tokens a verify step kept as decode steps (graph replays), not one eager forward."""
+        self.clamp_ids = self.model.args.vocab_size < model_vocab_size
+        self.decoded_catch_up: bool | None = None
+        """Whether the few tokens a verify step kept go in as decode steps; None: where the draft's decode
+        steps replay CUDA graphs (a multi-token forward runs eagerly, layer by layer)."""
         self.seqs: dict[int, DraftSequence] = {}
         """Request id -> its draft state, for the requests of the last `propose`."""
+
+    @property
+    def catch_up_by_decoding(self) -> bool:
+        if self.decoded_catch_up is not None:
+            return self.decoded_catch_up
+        return self.runner.graphs is not None  # None again after a capture ran out of memory
 
     # state ---------------------------------------------------------------------------------------
     def _drop(self, rid: int) -> None:
@@ -88,6 +96,11 @@ class DraftModel:
         if seq.slots:
             self.pool.free_slots(self.table.table[seq.row, : seq.slots])
         self.table.free(seq.row)
+
+    def retain(self, keep: set[int]) -> None:
+        """Drop the sequences of requests not in `keep` (the running requests' ids)."""
+        for rid in [rid for rid in self.seqs if rid not in keep]:
+            self._drop(rid)
 
     def forget(self, rid: int) -> None:
         """Drop a finished request's sequence."""
@@ -109,13 +122,13 @@ class DraftModel:
         self.pool.allocate()
 
     def _sequence(self, req: Request) -> DraftSequence | None:
+        # A request's output changes only by growing while it runs (it is reset only while retracted, and
+        # the engine drops the sequences of requests that left the running set: `retain`).
         seq = self.seqs.get(req.rid)
-        if seq is not None and seq.output_ids is not req.output_ids:  # reset (retracted on a weight update)
-            seq.output_ids, seq.agreed = req.output_ids, min(seq.agreed, len(req.prompt_ids))
         if seq is None:
             if not self.table.num_free:
                 return None
-            seq = self.seqs[req.rid] = DraftSequence(self.table.alloc(), req.output_ids, [])
+            seq = self.seqs[req.rid] = DraftSequence(self.table.alloc(), [])
         return seq
 
     def _agreed(self, seq: DraftSequence, req: Request) -> int:
@@ -131,11 +144,8 @@ class DraftModel:
         return at
 
     # proposing -----------------------------------------------------------------------------------
-    def propose(self, reqs: list[Request], ks: list[int], keep: set[int]) -> list[list[int]]:
-        """Up to ks[i] draft tokens to follow each request's sequence ([] where it cannot draft). Sequences
-        of requests neither in `reqs` nor in `keep` (the running requests' ids) are dropped."""
-        for rid in [rid for rid in self.seqs if rid not in keep]:
-            self._drop(rid)
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] draft tokens to follow each request's sequence ([] where it cannot draft)."""
         drafts: list[list[int]] = [[] for _ in reqs]
         work: list[_Work] = []
         needs: list[int] = []
@@ -306,6 +316,8 @@ class DraftModel:
             else host_to_device(logit_rows, dev),
             every_token_samples=logit_rows is None,
         )
+        if self.clamp_ids:
+            batch.input_ids = input_ids.clamp(max=self.model.args.vocab_size - 1)
         logits, _ = self.runner.forward(batch)
         return logits
 

@@ -337,9 +337,9 @@ class Engine:
                 draft = from_pretrained(folder, dtype=dtype, device=model.device)
             else:
                 draft = load_model(cfg.spec_draft_model, dtype, str(model.device), seed=cfg.seed + 1).model
-        if draft.args.vocab_size != model.args.vocab_size:
+        if draft.args.vocab_size > model.args.vocab_size:
             raise ValueError(
-                f"the draft model's vocabulary ({draft.args.vocab_size} tokens) differs from the model's "
+                f"the draft model's vocabulary ({draft.args.vocab_size} tokens) is larger than the model's "
                 f"({model.args.vocab_size}): a draft model must share the model's tokenizer"
             )
         if draft.device != model.device or draft.dtype != model.dtype:
@@ -355,6 +355,9 @@ class Engine:
         width = min(self.max_context, draft.args.context_length, pool.capacity_tokens)
         table = RequestTable(cfg.max_running_requests, width, self.device)
         backend = resolve_backend(cfg.backend, self.device, self.dtype, draft.args.head_dim)
+        limit = self._verify_batch_limit()
+        if limit:  # with verify graphs a step drafts for at most that many requests
+            graph_batch = min(graph_batch, limit)
         runner = ModelRunner(
             draft,
             pool,
@@ -369,7 +372,7 @@ class Engine:
             False,
             cfg.flashinfer_decode,
         )
-        return DraftModel(runner, cfg.max_batch_tokens)
+        return DraftModel(runner, cfg.max_batch_tokens, self.args.vocab_size)
 
     @property
     def weight_version(self) -> int:
@@ -627,6 +630,8 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         cfg = self.cfg
+        if self.drafter is not None:  # also on the steps that draft nothing: retracted requests leave
+            self.drafter.retain({req.rid for req in self.scheduler.running})
         graph_limit = self._verify_batch_limit()
         if graph_limit:
             # Graph verify (cuda_graph.py): a step drafts exactly spec_draft_tokens for every running request,
@@ -658,9 +663,8 @@ class Engine:
             if k > 0:
                 wanted.append((req, k))
         if self.drafter is not None:
-            drafts = self.drafter.propose(
-                [req for req, _ in wanted], [k for _, k in wanted], {req.rid for req in running}
-            )
+            wanted = self._runnable_drafts(wanted, graph_limit > 0)
+            drafts = self.drafter.propose([req for req, _ in wanted], [k for _, k in wanted])
             for (req, _), draft in zip(wanted, drafts):
                 req.draft = draft
         else:
@@ -680,6 +684,22 @@ class Engine:
         if graph_limit and not proposed:  # filler tokens alone: a verify step would likely keep one token
             for req in running:
                 req.draft = []
+
+    def _runnable_drafts(self, wanted: list[tuple[Request, int]], uniform: bool) -> list[tuple[Request, int]]:
+        """The drafts the next step can verify. The scheduler drops every draft of a step whose decode rows
+        pass the token budget or the free KV (scheduler.py), which would waste a draft model's work: so the
+        last requests' drafts are left out until the rest fit, or all of them where verify steps must be
+        uniform (`uniform`, verify graphs)."""
+        rows = sum(1 for r in self.scheduler.running if r.is_decoding) + sum(k for _, k in wanted)
+        room = min(self.cfg.max_batch_tokens, self.kv.available_tokens() - self.cfg.page_size * len(wanted))
+        if rows <= room:
+            return wanted
+        if uniform:
+            return []
+        kept = list(wanted)
+        while kept and rows > room:
+            rows -= kept.pop()[1]
+        return kept
 
     def _drain(self) -> None:
         """Read the step still in flight; samples it finishes are returned by the next `step()` too."""

@@ -40,7 +40,7 @@ def draft_run(  # noqa: ANN201
     engine = Engine(model, None, config(speculative="draft", **cfg), draft_model=draft)
     assert engine.drafter is not None
     # As on CUDA with graphs: the tokens a verify step kept go to the draft as decode steps.
-    engine.drafter.catch_up_by_decoding = decoded_catch_up
+    engine.drafter.decoded_catch_up = decoded_catch_up
     samples = engine.generate(prompts, params)
     assert_pool_clean(engine)
     return samples, engine
@@ -146,6 +146,43 @@ def test_the_draft_pool_shares_the_budget_and_follows_updates_and_release() -> N
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("verify_graphs", [False, True], ids=["eager_verify", "graph_verify"])
+def test_no_draft_is_computed_for_a_step_that_cannot_verify_it(
+    verify_graphs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight requests decode at once, and their drafts would need 32 rows of the step's 24: the scheduler would
+    drop all of them. The engine asks the draft model only for the drafts the step can verify: the first
+    requests' (five of them with 3 drafts each), or with verify graphs (forced here through the eager path, as on the GPU), which need every
+    request drafted alike, none. Every drafted token is then verified."""
+    if verify_graphs:
+        monkeypatch.setattr(Engine, "_verify_batch_limit", lambda self: 64)
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True)
+    cfg = config(speculative="draft", spec_draft_tokens=3, max_batch_tokens=24, max_running_requests=8)
+    engine = Engine(model, None, cfg, draft_model=copy.deepcopy(model))
+    assert engine.drafter is not None
+    proposed: list[tuple[int, int]] = []  # (requests drafted for, draft tokens)
+    propose = engine.drafter.propose
+
+    def counted(reqs, ks):  # noqa: ANN001, ANN202
+        drafts = propose(reqs, ks)
+        proposed.append((len(reqs), sum(map(len, drafts))))
+        return drafts
+
+    engine.drafter.propose = counted  # type: ignore[method-assign]
+    got = engine.generate(PROMPTS[:2], params)
+    assert_same_samples(got, Engine(model, None, config()).generate(PROMPTS[:2], params))
+    m = engine.metrics()
+    assert sum(tokens for _, tokens in proposed) == m["rollout/spec_proposed_tokens"], (proposed, m)
+    if verify_graphs:
+        assert m["rollout/spec_steps"] == 0 and not any(n for n, _ in proposed), proposed
+    else:
+        # 8 rows plus at most 16 drafts: five requests' 3 drafts, more of them near the end where k shrinks.
+        assert (5, 15) in proposed and max(tokens for _, tokens in proposed) <= 16, proposed
+        assert m["rollout/spec_steps"] > 0
+    assert_pool_clean(engine)
+
+
 def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None:  # noqa: ANN001
     model = tiny_model(seed=0)
     with pytest.raises(ValueError, match="spec_draft_model"):
@@ -153,7 +190,7 @@ def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None: 
     with pytest.raises(ValueError, match="off, ngram or draft"):
         Engine(model, None, config(speculative="eagle"))
     with pytest.raises(ValueError, match="vocabulary"):
-        Engine(model, None, config(speculative="draft"), draft_model=tiny_model(seed=0, vocab_size=90))
+        Engine(model, None, config(speculative="draft"), draft_model=tiny_model(seed=0, vocab_size=100))
     # A checkpoint folder without tokenizer files (the model's tokenizer is used).
     path = save_pretrained(noisy_copy(model, 0.002), tmp_path / "draft")
     greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
@@ -162,5 +199,11 @@ def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None: 
         engine.generate(PROMPTS, greedy), Engine(model, None, config()).generate(PROMPTS, greedy)
     )
     assert engine.metrics()["rollout/spec_accepted_tokens"] > 0
+    # A smaller vocabulary: the model's ids the draft lacks reach it as its last id (prompts hold 92, 89, ...).
+    small = Engine(model, None, config(speculative="draft"), draft_model=tiny_model(seed=2, vocab_size=80))
+    plain = Engine(model, None, config()).generate(PROMPTS, greedy)
+    assert_same_samples(small.generate(PROMPTS, greedy), plain)
+    assert small.metrics()["rollout/spec_steps"] > 0
+    assert_pool_clean(small)
     # Deterministic mode never speculates, so it loads no draft.
     assert Engine(model, None, config(speculative="draft", deterministic=True)).drafter is None
