@@ -474,6 +474,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def is_preset(name: str) -> bool:
+    return name in PRESETS or name in _BENCH_PRESETS
+
+
+def bench_preset_args(name: str, arch: str) -> ModelArgs:
+    """A shape preset's arguments (`--arch` picks the tiny preset's architecture)."""
+    if name in _BENCH_PRESETS:
+        return ModelArgs(**_BENCH_PRESETS[name])
+    return preset_args(arch if name == "tiny" else None, name)
+
+
 def bench_draft_model(
     a: argparse.Namespace, model: CausalLM, dtype: torch.dtype, device: torch.device
 ) -> CausalLM | None:
@@ -483,11 +494,8 @@ def bench_draft_model(
         raise SystemExit("miles bench rollout: --speculative draft needs --draft-model PATH|PRESET|self")
     if a.draft_model == "self":
         return model
-    if a.draft_model in PRESETS or a.draft_model in _BENCH_PRESETS:
-        if a.draft_model in _BENCH_PRESETS:
-            args = ModelArgs(**_BENCH_PRESETS[a.draft_model])
-        else:
-            args = preset_args(a.arch if a.draft_model == "tiny" else None, a.draft_model)
+    if is_preset(a.draft_model):
+        args = bench_preset_args(a.draft_model, a.arch)
         args.vocab_size = model.args.vocab_size
         args.max_position_embeddings = model.args.max_position_embeddings
         return build_random_model(args, dtype, device, seed=a.seed + 1).eval()
@@ -507,11 +515,8 @@ def main(argv: list[str]) -> int:
     )
     on_gpu = device.type == "cuda"
     dtype = resolve_dtype(a.dtype or ("bfloat16" if on_gpu else "float32"))
-    if a.model in PRESETS or a.model in _BENCH_PRESETS:
-        if a.model in _BENCH_PRESETS:
-            args = ModelArgs(**_BENCH_PRESETS[a.model])
-        else:
-            args = preset_args(a.arch if a.model == "tiny" else None, a.model)
+    if is_preset(a.model):
+        args = bench_preset_args(a.model, a.arch)
         args.max_position_embeddings = max(args.max_position_embeddings, a.input_len + a.output_len + 8)
         model = build_random_model(args, dtype, device, seed=a.seed).eval()
     else:

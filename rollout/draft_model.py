@@ -82,7 +82,7 @@ class DraftModel:
         """Whether the few tokens a verify step kept go in as decode steps; None: where the draft's decode
         steps replay CUDA graphs (a multi-token forward runs eagerly, layer by layer)."""
         self.seqs: dict[int, DraftSequence] = {}
-        """Request id -> its draft state, for the requests of the last `propose`."""
+        """Request id -> its draft state, for running requests (`retain` drops the others)."""
 
     @property
     def catch_up_by_decoding(self) -> bool:
@@ -107,14 +107,9 @@ class DraftModel:
         if rid in self.seqs:
             self._drop(rid)
 
-    def reset(self) -> None:
-        """Forget every sequence (their slots go back to the pool)."""
-        for rid in list(self.seqs):
-            self._drop(rid)
-        self.runner.release(keep_graphs=True)
-
     def release(self) -> None:
-        self.reset()
+        """Free the pool (colocated training): every sequence is dropped first, its slots back in the pool."""
+        self.retain(set())
         self.runner.release(keep_graphs=self.pool.keeps_addresses)
         self.pool.release()
 
