@@ -128,6 +128,14 @@ class RolloutConfig:
     model.path) with the model's tokenizer; loaded in the model's dtype on its device."""
     spec_draft_tokens: int = 4
     """Most draft tokens verified per request and step."""
+    spec_draft_train: bool = False
+    """In `miles train`: train the draft model online on every step's rollouts (masked NLL of the sampled
+    response tokens, a Monte-Carlo estimate of KL(policy || draft)), so its drafts follow the policy as it
+    learns. The samples stay plain decoding's either way; only the acceptance rate changes."""
+    spec_draft_lr: float = 1e-4
+    """AdamW learning rate of the draft model's online training (constant; trainer.optim's other settings)."""
+    spec_draft_train_epochs: int = 1
+    """Optimizer steps of the draft per RL step, each over all of the step's samples."""
     spec_ngram_max: int = 3
     """Longest suffix n-gram looked up for a draft."""
     spec_ngram_min: int = 1

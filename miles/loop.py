@@ -30,6 +30,7 @@ from miles.errors import MilesUserError
 from miles.evaluate import evaluate
 from miles.model_io import load_model
 from miles.resume import (
+    DRAFT_DIR,
     RunState,
     config_changes,
     find_checkpoint,
@@ -181,10 +182,12 @@ def resume_run(
 def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[str, float]:
     from miles.rewards import RewardRunner
     from miles.rollout import Engine, SamplingParams
+    from miles.rollout.draft_model import load_draft_model
     from miles.rollout.multiturn import MultiTurnRollout
     from miles.trainer import TorchTrainer
     from miles.trainer.algorithms import compute_advantages
     from miles.trainer.backends import build_policy
+    from miles.trainer.draft_trainer import DraftTrainer
     from miles.weight_sync import InProcessWeightSync
 
     inputs = prepare_inputs(cfg, dp)
@@ -212,8 +215,19 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     trainer = TorchTrainer(
         policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
     )
+    draft, draft_trainer = None, None
+    if cfg.rollout.spec_draft_train:
+        _check_draft_training(cfg)
+        draft = load_draft_model(model, cfg.rollout)
+        dp.broadcast_module(draft)
+        draft_trainer = DraftTrainer(
+            draft, model.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm, dp
+        )
     # The KV pool takes its fraction of the memory the trainer's first update will not need (colocated).
-    engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes())
+    reserve = trainer.memory_reserve_bytes()
+    if draft_trainer is not None:
+        reserve += draft_trainer.memory_reserve_bytes()
+    engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=reserve, draft_model=draft)
     generate, multiturn = engine.generate, None
     if cfg.rollout.generate_fn:
         spec = plugins.normalize(cfg.rollout.generate_fn, "rollout.generate_fn")
@@ -266,6 +280,9 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     first_step = 1
     if resume_from is not None:
         first_step = resume_run(cfg, *resume_from, model, engine, trainer, loader, tracker, dp) + 1
+        if draft_trainer is not None:
+            resume_draft(*resume_from, draft_trainer)
+            engine.draft_weights_changed()
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -283,15 +300,26 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         # With tensor parallelism the optimizer state is gathered from the TP ranks, a collective: here, by the
         # TP group of rank 0 (the one that writes it).
         trainer_state = trainer.state_dict() if trainer.tp.enabled and trainer.dp.rank == 0 else None
-        return lambda folder: write_run_state(
-            folder,
-            step,
-            redact(asdict(cfg)),
-            trainer_state if trainer_state is not None else trainer.state_dict(),
-            loader.state_dict(),
-            engine_state,
-            run_id,
-        )
+
+        def write(folder: Path) -> None:
+            draft_state = None
+            if draft_trainer is not None:
+                from miles.models import save_pretrained
+
+                save_pretrained(draft_trainer.model, folder / DRAFT_DIR)
+                draft_state = draft_trainer.state_dict()
+            write_run_state(
+                folder,
+                step,
+                redact(asdict(cfg)),
+                trainer_state if trainer_state is not None else trainer.state_dict(),
+                loader.state_dict(),
+                engine_state,
+                run_id,
+                draft_state,
+            )
+
+        return write
 
     def run_eval() -> dict[str, float]:
         prompts = dp.shard(test_prompts)
@@ -353,12 +381,18 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                     metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
                 else:
                     log.warning("step %d: no sample has a response; skipping the update", step)
+                if draft_trainer is not None:
+                    drafting = time.perf_counter()
+                    metrics.update(draft_trainer.train_step(samples))
+                    engine.draft_weights_changed()
+                    own["time/draft_train"] = time.perf_counter() - drafting
             finally:
                 if releasing:
                     resumed = time.perf_counter()
                     engine.resume_memory()
                     own["time/kv_release"] += time.perf_counter() - resumed
-            own["time/train"] = time.perf_counter() - t
+            # The policy's update alone (the draft's is time/draft_train).
+            own["time/train"] = time.perf_counter() - t - own.get("time/draft_train", 0.0)
 
             result = sync.sync(version=step)
             own.update(result.metrics())
@@ -398,6 +432,35 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             tracker.close()
         rewards.close()
     return last
+
+
+def _check_draft_training(cfg: MilesConfig) -> None:
+    if cfg.rollout.speculative != "draft" or cfg.rollout.deterministic:
+        raise MilesUserError(
+            "rollout.spec_draft_train trains the draft model of rollout.speculative=draft (which deterministic "
+            f"mode turns off); got rollout.speculative={cfg.rollout.speculative}, rollout.deterministic="
+            f"{cfg.rollout.deterministic}"
+        )
+    if cfg.trainer.tensor_parallel_size > 1:
+        raise MilesUserError(
+            "rollout.spec_draft_train is not supported with trainer.tensor_parallel_size > 1 yet (each rank "
+            "would train the draft on its tensor-parallel group's samples); turn one of them off"
+        )
+
+
+def resume_draft(folder: Path, state: RunState, draft_trainer: Any) -> None:
+    """Load the trained draft model and its optimizer state of a checkpoint; a checkpoint of a run that did
+    not train its draft leaves the draft as `rollout.spec_draft_model` loaded it."""
+    from miles.models.checkpoint import iter_hf_tensors, load_state_into
+
+    if state.draft is None or not (folder / DRAFT_DIR).is_dir():
+        log.warning(
+            "%s holds no trained draft model: the draft starts again from rollout.spec_draft_model", folder
+        )
+        return
+    with torch.no_grad():
+        load_state_into(draft_trainer.model, iter_hf_tensors(folder / DRAFT_DIR))
+    draft_trainer.load_state_dict(state.draft)
 
 
 def _trainable(sample: Sample) -> bool:

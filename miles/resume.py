@@ -4,7 +4,9 @@ A checkpoint folder `checkpoints/step_N/` holds the model in Hugging Face format
 subfolder, what the run needs to go on as if it had never stopped: `trainer_state.safetensors` (the
 optimizer's tensors and the torch RNG state) and `run_state.json` (the step, the optimizer's schedule
 position and hyper-parameters, the prompt loader's epoch, order and position, the engine's counter for
-unseeded requests, Python's RNG state, the run's config). A
+unseeded requests, Python's RNG state, the run's config); a run that trains its draft model
+(`rollout.spec_draft_train`) adds the draft in `draft/` and its optimizer in
+`resume/draft_trainer_state.safetensors`. A
 subfolder, so that tools which load every top-level `*.safetensors` of a model folder (ours included) see
 the model alone. Both are written before the folder is renamed into place, so a checkpoint is whole or
 absent. Tensors go through safetensors only.
@@ -30,6 +32,9 @@ from miles.errors import MilesUserError
 RESUME_DIR = "resume"
 TRAINER_STATE = "trainer_state.safetensors"
 RUN_STATE = "run_state.json"
+DRAFT_TRAINER_STATE = "draft_trainer_state.safetensors"
+DRAFT_DIR = "draft"
+"""A checkpoint's subfolder holding the online-trained draft model (Hugging Face format, no tokenizer)."""
 _FORMAT = 1
 _RNG_KEY = "rng.torch"
 
@@ -52,6 +57,8 @@ class RunState:
     torch_rng: torch.Tensor
     wandb_run_id: str | None = None
     """The W&B run the interrupted run logged to: the resumed run goes on logging to it."""
+    draft: dict[str, Any] | None = None
+    """The draft model's `TorchTrainer.state_dict()` when the run trained it (`rollout.spec_draft_train`)."""
 
 
 def write_run_state(
@@ -62,12 +69,19 @@ def write_run_state(
     loader_state: dict[str, Any],
     engine_state: dict[str, Any],
     wandb_run_id: str | None = None,
+    draft_trainer_state: dict[str, Any] | None = None,
 ) -> None:
     """Write the resume files into a checkpoint folder (called on the folder before it is renamed into place)."""
     folder = folder / RESUME_DIR
     folder.mkdir()
     tensors = {**trainer_state["tensors"], _RNG_KEY: torch.get_rng_state()}
     save_file(tensors, str(folder / TRAINER_STATE), metadata={"format": "miles-trainer-state"})
+    if draft_trainer_state is not None:
+        save_file(
+            draft_trainer_state["tensors"],
+            str(folder / DRAFT_TRAINER_STATE),
+            metadata={"format": "miles-trainer-state"},
+        )
     state = {
         "format": _FORMAT,
         "step": step,
@@ -80,6 +94,7 @@ def write_run_state(
         "engine": engine_state,
         "python_rng": random.getstate(),
         "wandb_run_id": wandb_run_id,
+        "draft": draft_trainer_state["meta"] if draft_trainer_state is not None else None,
     }
     (folder / RUN_STATE).write_text(json.dumps(state))
 
@@ -94,6 +109,9 @@ def read_run_state(checkpoint: Path) -> RunState:
     tensors = load_file(str(folder / TRAINER_STATE))
     torch_rng = tensors.pop(_RNG_KEY)
     version, internal, gauss = meta["python_rng"]
+    draft = None
+    if meta.get("draft") is not None:
+        draft = {"tensors": load_file(str(folder / DRAFT_TRAINER_STATE)), "meta": meta["draft"]}
     return RunState(
         step=int(meta["step"]),
         max_steps=int(meta["max_steps"]),
@@ -104,6 +122,7 @@ def read_run_state(checkpoint: Path) -> RunState:
         python_rng=(version, tuple(internal), gauss),
         torch_rng=torch_rng,
         wandb_run_id=meta.get("wandb_run_id"),
+        draft=draft,
     )
 
 

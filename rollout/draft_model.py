@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from miles.config import RolloutConfig
+from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
@@ -31,6 +33,36 @@ from miles.rollout.kv_pool import KVPool, RequestTable
 from miles.rollout.model_runner import ModelRunner
 from miles.rollout.request import Request
 from miles.rollout.sampling import SamplingTensors, mix_seeds, sample, uniforms_of_mixed
+
+
+def load_draft_model(model: CausalLM, cfg: RolloutConfig, draft: CausalLM | None = None) -> CausalLM:
+    """The draft model of `rollout.speculative=draft`: `draft` if given, else `rollout.spec_draft_model`
+    loaded in the model's dtype on its device; checked against the model it drafts for."""
+    if draft is None:
+        if not cfg.spec_draft_model:
+            raise ValueError(
+                "rollout.speculative=draft needs a draft model: set rollout.spec_draft_model to a checkpoint "
+                "folder (a smaller model with the same tokenizer), or use rollout.speculative=ngram"
+            )
+        from miles.model_io import load_model, resolve_path
+
+        dtype = str(model.dtype).removeprefix("torch.")
+        folder = resolve_path(cfg.spec_draft_model)  # a folder needs no tokenizer: the model's is used
+        if folder is not None:
+            draft = from_pretrained(folder, dtype=dtype, device=model.device)
+        else:
+            draft = load_model(cfg.spec_draft_model, dtype, str(model.device), seed=cfg.seed + 1).model
+    if draft.args.vocab_size > model.args.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.args.vocab_size} tokens) is larger than the model's "
+            f"({model.args.vocab_size}): a draft model must share the model's tokenizer"
+        )
+    if draft.device != model.device or draft.dtype != model.dtype:
+        raise ValueError(
+            f"the draft model is {draft.dtype} on {draft.device}, the model {model.dtype} on {model.device}: "
+            "load it with the model's dtype and device"
+        )
+    return draft.eval()
 
 
 @dataclass

@@ -25,7 +25,7 @@ from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
 from miles.rollout import virtual_memory
 from miles.rollout.attention_flashinfer import check_decode_kernel
-from miles.rollout.draft_model import DraftModel
+from miles.rollout.draft_model import DraftModel, load_draft_model
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
@@ -181,7 +181,7 @@ class Engine:
         # Deterministic mode never speculates (its point is reproducibility, and a verify chunk is not batch
         # invariant).
         spec_mode = "off" if cfg.deterministic else cfg.speculative
-        draft = self._draft_model(model, cfg, draft_model) if spec_mode == "draft" else None
+        draft = load_draft_model(model, cfg, draft_model) if spec_mode == "draft" else None
         budget = self._kv_budget_bytes()
         draft_layout = None
         if draft is not None:
@@ -321,33 +321,6 @@ class Engine:
             free = max(0, free - self._reserve_bytes)
             return int(free * self.cfg.kv_cache_fraction)
         return self.cfg.kv_cache_bytes
-
-    def _draft_model(self, model: CausalLM, cfg: RolloutConfig, draft: CausalLM | None) -> CausalLM:
-        if draft is None:
-            if not cfg.spec_draft_model:
-                raise ValueError(
-                    "rollout.speculative=draft needs a draft model: set rollout.spec_draft_model to a checkpoint "
-                    "folder (a smaller model with the same tokenizer), or use rollout.speculative=ngram"
-                )
-            from miles.model_io import load_model, resolve_path
-
-            dtype = str(model.dtype).removeprefix("torch.")
-            folder = resolve_path(cfg.spec_draft_model)  # a folder needs no tokenizer: the model's is used
-            if folder is not None:
-                draft = from_pretrained(folder, dtype=dtype, device=model.device)
-            else:
-                draft = load_model(cfg.spec_draft_model, dtype, str(model.device), seed=cfg.seed + 1).model
-        if draft.args.vocab_size > model.args.vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary ({draft.args.vocab_size} tokens) is larger than the model's "
-                f"({model.args.vocab_size}): a draft model must share the model's tokenizer"
-            )
-        if draft.device != model.device or draft.dtype != model.dtype:
-            raise ValueError(
-                f"the draft model is {draft.dtype} on {draft.device}, the model {model.dtype} on {model.device}: "
-                "load it with the model's dtype and device"
-            )
-        return draft.eval()
 
     def _build_drafter(self, draft: CausalLM, layout: KVLayout, graph_batch: int) -> DraftModel:
         cfg = self.cfg
@@ -727,6 +700,18 @@ class Engine:
         self.flush_cache()
         load_weights(self.model, weights)
         self._weight_version = self._weight_version + 1 if version is None else int(version)
+
+    @property
+    def draft_model(self) -> CausalLM | None:
+        """The model proposing drafts (`rollout.speculative=draft`), else None."""
+        return self.drafter.model if self.drafter is not None else None
+
+    def draft_weights_changed(self) -> None:
+        """Drop the draft model's cached keys and values after its weights changed (trained in place): every
+        request's sequence is fed to it again at its next proposal."""
+        self._drain()
+        if self.drafter is not None:
+            self.drafter.retain(set())
 
     def flush_cache(self) -> None:
         """Empty the radix cache (no request may hold KV)."""

@@ -1,0 +1,127 @@
+"""Online training of the speculative-decoding draft model on the policy's rollouts (`rollout.spec_draft_train`).
+
+A draft model proposes well only while its next-token distribution stays close to the policy's, and RL moves
+the policy away from any fixed draft. Each RL step therefore also takes `spec_draft_train_epochs` optimizer
+steps of the draft on that step's samples: the masked NLL of the sampled response tokens under the draft.
+The tokens were drawn from the policy, so this is a Monte-Carlo estimate of the forward KL(policy || draft)
+up to the policy's entropy, the same distillation Miles and EAGLE-style online training use; no extra
+policy forward is needed. The draft trains in place, in the module the engine drafts with (the engine then
+drops the draft's cached keys and values: `Engine.draft_weights_changed`).
+
+The verify step keeps plain decoding's samples whatever the draft proposes, so training it changes only
+how many drafts are accepted, never what the policy learns from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from miles.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+from miles.distributed import SINGLE, DataParallel
+from miles.models.model import CausalLM
+from miles.sample import Sample, SampleStatus
+from miles.trainer.packing import fed_length, response_loss_mask
+from miles.trainer.torch_trainer import TorchTrainer
+
+
+def draft_trainer_config(trainer: TrainerConfig, rollout: RolloutConfig) -> TrainerConfig:
+    """The policy trainer's settings with the draft's learning rate, a constant schedule and plain torch
+    training of our own model (the draft is never a megatron module, tensor-parallel or routing-replayed)."""
+    return replace(
+        trainer,
+        backend="torch",
+        lr=rollout.spec_draft_lr,
+        optim=replace(trainer.optim, schedule="constant", warmup_steps=0),
+        tensor_parallel_size=1,
+        routing_replay=False,
+        epochs_per_rollout=1,
+    )
+
+
+class DraftTrainer:
+    def __init__(
+        self,
+        draft: CausalLM,
+        policy_vocab_size: int,
+        trainer: TrainerConfig,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        dp: DataParallel = SINGLE,
+    ) -> None:
+        if rollout.spec_draft_train_epochs < 1:
+            raise ValueError(
+                f"rollout.spec_draft_train_epochs must be >= 1, got {rollout.spec_draft_train_epochs}"
+            )
+        if rollout.spec_draft_lr <= 0:
+            raise ValueError(f"rollout.spec_draft_lr must be positive, got {rollout.spec_draft_lr}")
+        if draft.args.vocab_size != policy_vocab_size:
+            # The engine drafts with a smaller vocabulary (clamping the ids it lacks), but a target id the
+            # draft has no logit for cannot be trained on.
+            raise ValueError(
+                f"rollout.spec_draft_train needs the draft model's vocabulary ({draft.args.vocab_size} tokens) "
+                f"to equal the policy's ({policy_vocab_size}); use a draft with the policy's vocabulary or "
+                "turn rollout.spec_draft_train off"
+            )
+        self.model = draft
+        self.epochs = rollout.spec_draft_train_epochs
+        self.max_tokens = draft.args.context_length
+        draft.requires_grad_(True)  # a draft loaded for the engine alone may come frozen
+        # The sft loss reads only the loss aggregation and the entropy coefficient of the algorithm.
+        self.trainer = TorchTrainer(
+            draft,
+            draft_trainer_config(trainer, rollout),
+            replace(algorithm, kl_coef=0.0),
+            temperature=1.0,
+            total_optimizer_steps=trainer.max_steps * self.epochs,
+            dp=dp,
+        )
+        self.dp = dp
+
+    def memory_reserve_bytes(self) -> int:
+        return self.trainer.memory_reserve_bytes()
+
+    def training_samples(self, samples: list[Sample]) -> list[Sample]:
+        """The samples the draft learns from: those with a response that fit in its context, as copies that
+        carry the tokens, the loss mask (tool outputs of multi-turn samples stay masked) and the batch order."""
+        return [
+            Sample(
+                prompt=s.prompt,
+                prompt_ids=s.prompt_ids,
+                response_ids=s.response_ids,
+                loss_mask=response_loss_mask(s),
+                group_id=s.group_id,
+                index=s.index,
+            )
+            for s in samples
+            if s.response_ids
+            and s.prompt_ids
+            and s.status != SampleStatus.ABORTED
+            and fed_length(s) <= self.max_tokens
+        ]
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """`spec_draft_train_epochs` optimizer steps on the step's samples (every rank calls it, with its
+        own). `draft/loss` is the first epoch's: the draft's NLL of tokens it has not been trained on yet."""
+        usable = self.training_samples(samples)
+        total, skipped = self.dp.all_reduce_floats([float(len(usable)), float(len(samples) - len(usable))])
+        metrics: dict[str, float] = {"draft/skipped_samples": skipped}
+        if total == 0:
+            return metrics
+        epochs = [self.trainer.sft_step(usable) for _ in range(self.epochs)]
+        metrics.update(
+            {
+                "draft/loss": epochs[0]["train/loss"],
+                "draft/loss_last_epoch": epochs[-1]["train/loss"],
+                "draft/grad_norm": sum(m["train/grad_norm"] for m in epochs) / len(epochs),
+                "draft/lr": epochs[-1]["train/lr"],
+                "draft/tokens_per_s": sum(m["train/tokens_per_s"] for m in epochs) / len(epochs),
+            }
+        )
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
