@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from miles.config import RolloutConfig
+from miles.models import fused
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
@@ -32,7 +33,8 @@ from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVPool, RequestTable
 from miles.rollout.model_runner import ModelRunner
 from miles.rollout.request import Request
-from miles.rollout.sampling import SamplingTensors, mix_seeds, sample, uniforms_of_mixed
+from miles.rollout.sampler_graph import sample_rows
+from miles.rollout.sampling import SamplingTensors, mix_seeds, uniforms_of_mixed
 
 
 def load_draft_model(model: CausalLM, cfg: RolloutConfig, draft: CausalLM | None = None) -> CausalLM:
@@ -65,6 +67,17 @@ def load_draft_model(model: CausalLM, cfg: RolloutConfig, draft: CausalLM | None
     return draft.eval()
 
 
+@dataclass(eq=False)
+class SharedPrompt:
+    """A prompt's draft keys and values, held once for the requests that start with it (a group's samples)."""
+
+    tokens: tuple[int, ...]
+    slots: torch.Tensor
+    """The slots of positions [0, len(tokens)), on the device."""
+    users: int = 1
+    """Sequences whose rows point at them; the slots are freed with the last."""
+
+
 @dataclass
 class DraftSequence:
     """The draft model's state for one request."""
@@ -77,6 +90,8 @@ class DraftSequence:
     """Positions [0, agreed) of `fed` are known to equal the request's tokens."""
     slots: int = 0
     """Positions [0, slots) of its row have KV slots."""
+    prompt: SharedPrompt | None = None
+    """Where positions [0, len(prompt.tokens)) of its row are a shared prompt's slots, not its own."""
 
 
 _DECODED_CATCH_UP = 4
@@ -115,6 +130,12 @@ class DraftModel:
         steps replay CUDA graphs (a multi-token forward runs eagerly, layer by layer)."""
         self.seqs: dict[int, DraftSequence] = {}
         """Request id -> its draft state, for running requests (`retain` drops the others)."""
+        self.prompts: dict[tuple[int, ...], SharedPrompt] = {}
+        """Prompts held once for every sequence that starts with them."""
+        self.share_prompts = True
+        """Whether requests with the same prompt share its draft KV (off: each computes and holds its own)."""
+        self.draws = self.graphed_draws = 0
+        """Draft draws made, and those that replayed a sampler graph."""
 
     @property
     def catch_up_by_decoding(self) -> bool:
@@ -125,8 +146,15 @@ class DraftModel:
     # state ---------------------------------------------------------------------------------------
     def _drop(self, rid: int) -> None:
         seq = self.seqs.pop(rid)
-        if seq.slots:
-            self.pool.free_slots(self.table.table[seq.row, : seq.slots])
+        own = 0
+        if seq.prompt is not None:
+            shared, own = seq.prompt, len(seq.prompt.tokens)
+            shared.users -= 1
+            if not shared.users:
+                self.pool.free_slots(shared.slots)
+                del self.prompts[shared.tokens]
+        if seq.slots > own:
+            self.pool.free_slots(self.table.table[seq.row, own : seq.slots])
         self.table.free(seq.row)
 
     def retain(self, keep: set[int]) -> None:
@@ -148,15 +176,41 @@ class DraftModel:
     def resume(self) -> None:
         self.pool.allocate()
 
-    def _sequence(self, req: Request) -> DraftSequence | None:
-        # A request's output changes only by growing while it runs (it is reset only while retracted, and
-        # the engine drops the sequences of requests that left the running set: `retain`).
-        seq = self.seqs.get(req.rid)
-        if seq is None:
-            if not self.table.num_free:
+    def _new_sequence(self, req: Request, starting: set[tuple[int, ...]]) -> DraftSequence | None:
+        """A sequence for a request the draft has not seen; None where it cannot have one this proposal.
+
+        A request whose prompt the draft holds already starts from it: its row points at the shared slots,
+        and it is fed only its output. One whose prompt another new request of this proposal will compute
+        waits for the next proposal, when that prompt is shared (so the `n` samples of a group compute and
+        hold their prompt once, at the cost of one step without drafts for all but one of them)."""
+        if not self.table.num_free:
+            return None
+        shared, key = None, None
+        # A request with no output yet would be fed its last prompt token again, into a shared slot.
+        if self.share_prompts and req.output_ids:
+            key = tuple(req.prompt_ids)
+            shared = self.prompts.get(key)
+            if shared is None and key in starting:
                 return None
-            seq = self.seqs[req.rid] = DraftSequence(self.table.alloc(), [])
+        seq = self.seqs[req.rid] = DraftSequence(self.table.alloc(), [])
+        if shared is not None:
+            length = len(shared.tokens)
+            self.table.table[seq.row, :length] = shared.slots
+            seq.fed, seq.agreed, seq.slots, seq.prompt = list(shared.tokens), length, length, shared
+            shared.users += 1
+        elif key is not None:
+            starting.add(key)
         return seq
+
+    def _share_prompts(self, work: list[_Work], starting: set[tuple[int, ...]]) -> None:
+        """After a proposal fed them: the prompts of the new sequences computed this proposal become shared."""
+        for w in work:
+            seq, length = w.seq, len(w.req.prompt_ids)
+            if seq.prompt is not None or len(seq.fed) < length:
+                continue
+            key = tuple(w.req.prompt_ids)
+            if key in starting and key not in self.prompts:
+                seq.prompt = self.prompts[key] = SharedPrompt(key, self.table.table[seq.row, :length].clone())
 
     def _agreed(self, seq: DraftSequence, req: Request) -> int:
         """Length of the common prefix of what the sequence was fed and the request's tokens, short of the
@@ -177,16 +231,27 @@ class DraftModel:
         work: list[_Work] = []
         needs: list[int] = []
         free = self.pool.free_tokens
+        starting: set[tuple[int, ...]] = set()
         for i, (req, k) in enumerate(zip(reqs, ks)):
             k = min(k, self.max_context - req.seq_len + 1)
             if k <= 0:
+                self.forget(req.rid)  # past the draft's context: it never drafts again
                 continue
-            seq = self._sequence(req)
-            if seq is None:
-                continue
+            # A request's output changes only by growing while it runs (it is reset only while retracted,
+            # and the engine drops the sequences of requests that left the running set: `retain`).
+            seq = self.seqs.get(req.rid)
+            new = seq is None
+            if new:
+                seq = self._new_sequence(req, starting)
+                if seq is None:
+                    continue
             # Positions it will write: the request's tokens from where it disagrees, then drafts 0 .. k - 2.
             need = max(0, req.seq_len + k - 1 - seq.slots)
             if need > free:
+                if new:  # fed nothing: it holds no row until it can be (and computes no prompt for others)
+                    self._drop(req.rid)
+                    if seq.prompt is None:
+                        starting.discard(tuple(req.prompt_ids))
                 continue
             free -= need
             needs.append(need)
@@ -194,7 +259,7 @@ class DraftModel:
         if not work:
             return drafts
         self._allocate(work, needs)
-        draws = _Draws(work, self.model.args.vocab_size, self.device)
+        draws = _Draws(work, self.model.args.vocab_size, self.device, self.runner)
         # Every draft token stays on the device until all are drawn: one read for the whole proposal.
         column = self._catch_up(work, draws)
         columns = [column]
@@ -213,6 +278,10 @@ class DraftModel:
                 column = tokens
             columns.append(column)
         drawn = torch.stack(columns, dim=1).tolist()
+        if starting:
+            self._share_prompts(work, starting)
+        self.draws += draws.made
+        self.graphed_draws += draws.graphed
         for w, row in zip(work, drawn):
             drafts[w.index] = row[: w.k]
             w.seq.fed.extend(row[: w.k - 1])  # fed by the decode steps
@@ -353,9 +422,11 @@ class _Draws:
     """The sampling settings of one proposal's requests, built once: each draw takes a subset of them and
     the uniform numbers plain decoding uses at its response positions."""
 
-    def __init__(self, work: list[_Work], vocab_size: int, device: torch.device) -> None:
+    def __init__(self, work: list[_Work], vocab_size: int, device: torch.device, runner: ModelRunner) -> None:
         params = [w.req.params for w in work]
-        self.work, self.device = work, device
+        self.work, self.device, self.runner = work, device, runner
+        self.made = self.graphed = 0
+        """Draws made, and those that replayed the draft's sampler graph (sampler_graph.py)."""
         self.mixed = mix_seeds([w.req.seed for w in work])
         self.outputs = np.fromiter((len(w.req.output_ids) for w in work), np.uint64, len(work))
         self.settings = SamplingTensors.build(
@@ -370,6 +441,7 @@ class _Draws:
 
     def sample(self, logits: torch.Tensor, picked: list[int], offset: int) -> torch.Tensor:
         """Tokens of `logits` row i for request work[picked[i]] at response position len(output) + offset."""
+        self.made += 1
         index = np.asarray(picked, dtype=np.int64)
         uniform = uniforms_of_mixed(self.mixed[index], self.outputs[index] + np.uint64(offset))
         rows = (
@@ -377,5 +449,11 @@ class _Draws:
             if len(picked) == len(self.work)
             else self.settings.rows(host_to_device(index, self.device))
         )
-        tokens, _ = sample(logits, replace(rows, uniform=host_to_device(uniform, self.device)))
+        rows = replace(rows, uniform=host_to_device(uniform, self.device))
+        # As the engine samples: on a decode graph's logits a plain draw replays the sampler graph captured
+        # with it (one launch where the eager sampler makes ~30, the same kernels, so the same tokens), and
+        # on CUDA draws that need [rows, vocab] temporaries go in blocks of rows.
+        with fused.fused_kernels(self.runner.fused_kernels):
+            tokens, _, graphed = sample_rows(logits, rows, self.runner.graphs)
+        self.graphed += graphed
         return tokens

@@ -35,10 +35,10 @@ from miles.rollout.outputs import finish_status, to_sample
 from miles.rollout.params import SamplingParams
 from miles.rollout.radix_cache import RadixCache
 from miles.rollout.request import Request
+from miles.rollout.sampler_graph import sample_rows
 from miles.rollout.sampling import (
     SamplingTensors,
     derive_seed,
-    draws_from_block_masses,
     mix_seeds,
     prompt_key,
     sample,
@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 
 _DET_CHUNK_CPU, _DET_CHUNK_GPU = 16, 256
 """Fixed token-chunk size of deterministic mode (every matmul sees this many rows)."""
-_SAMPLE_BLOCK_GPU = 256
-"""Rows sampled at once on GPU (bounds the [rows, vocab] temporaries; the block-total unfiltered draw has none
-and samples every row at once unless greedy rows, which take a [rows, vocab] log-softmax, are mixed in)."""
 _STALL_STEPS = 10_000
 
 _Settings = tuple[float, int, float, float]
@@ -246,6 +243,7 @@ class Engine:
         """Request ids in the order they finished, while a `generate(on_finish=...)` call collects them."""
         self._prompt_texts: dict[int, str] = {}
         self._released = False
+        self._warned_draft_oom = False
         self._last_step_ran = False
         self._abort_flagged = False
         if cfg.overlap_schedule not in ("auto", "on", "off"):
@@ -635,10 +633,9 @@ class Engine:
             k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.max_context - req.seq_len)
             if k > 0:
                 wanted.append((req, k))
+        wanted = self._runnable_drafts(wanted, graph_limit > 0)
         if self.drafter is not None:
-            wanted = self._runnable_drafts(wanted, graph_limit > 0)
-            drafts = self.drafter.propose([req for req, _ in wanted], [k for _, k in wanted])
-            for (req, _), draft in zip(wanted, drafts):
+            for (req, _), draft in zip(wanted, self._draft_model_proposals(wanted)):
                 req.draft = draft
         else:
             for req, k in wanted:
@@ -658,13 +655,38 @@ class Engine:
             for req in running:
                 req.draft = []
 
+    def _draft_model_proposals(self, wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        """The draft model's drafts for `wanted`; none for anyone when it runs out of device memory: drafts
+        are optional, so that costs this step's drafts and the draft's cached keys and values, not the run."""
+        assert self.drafter is not None
+        try:
+            return self.drafter.propose([req for req, _ in wanted], [k for _, k in wanted])
+        except torch.cuda.OutOfMemoryError as err:
+            if not self._warned_draft_oom:
+                log.warning(
+                    "the draft model ran out of device memory (%s); this step decodes without drafts. "
+                    "Lower rollout.kv_cache_fraction if it recurs",
+                    str(err).split(". ")[0],
+                )
+                self._warned_draft_oom = True
+            self.drafter.retain(set())
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return [[] for _ in wanted]
+
     def _runnable_drafts(self, wanted: list[tuple[Request, int]], uniform: bool) -> list[tuple[Request, int]]:
         """The drafts the next step can verify. The scheduler drops every draft of a step whose decode rows
         pass the token budget or the free KV (scheduler.py), which would waste a draft model's work: so the
         last requests' drafts are left out until the rest fit, or all of them where verify steps must be
-        uniform (`uniform`, verify graphs)."""
-        rows = sum(1 for r in self.scheduler.running if r.is_decoding) + sum(k for _, k in wanted)
-        room = min(self.cfg.max_batch_tokens, self.kv.available_tokens() - self.cfg.page_size * len(wanted))
+        uniform (`uniform`, verify graphs). While requests wait to be admitted (or prefilled), drafts take
+        at most half of the budget decoding leaves, so that admission goes on."""
+        running = self.scheduler.running
+        decoding = sum(1 for r in running if r.is_decoding)
+        rows = decoding + sum(k for _, k in wanted)
+        budget = self.cfg.max_batch_tokens
+        if self.scheduler.waiting or decoding < len(running):
+            budget = decoding + max(0, budget - decoding) // 2
+        room = min(budget, self.kv.available_tokens() - self.cfg.page_size * len(wanted))
         if rows <= room:
             return wanted
         if uniform:
@@ -1124,21 +1146,9 @@ class Engine:
                 sample(padded[i : i + block], st_pad.rows(slice(i, i + block)))
                 for i in range(0, padded.shape[0], block)
             ]
-        elif (
-            self.runner.graphs is not None and (graphed := self.runner.graphs.sample(logits, st)) is not None
-        ):
-            return graphed  # a decode graph's logits, every row a plain draw: one graph launch
-        elif (
-            self.device.type == "cuda"
-            and num > _SAMPLE_BLOCK_GPU
-            and (st.any_greedy or not draws_from_block_masses(st, self.device))
-        ):
-            out = [
-                sample(logits[i : i + _SAMPLE_BLOCK_GPU], st.rows(slice(i, i + _SAMPLE_BLOCK_GPU)))
-                for i in range(0, num, _SAMPLE_BLOCK_GPU)
-            ]
         else:
-            return sample(logits, st)
+            tokens, logprobs, _ = sample_rows(logits, st, self.runner.graphs)
+            return tokens, logprobs
         return torch.cat([t for t, _ in out])[:num], torch.cat([lp for _, lp in out])[:num]
 
     def _finish(self, req: Request, status: SampleStatus, error: str | None = None) -> Sample:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,34 @@ from miles.rollout import sampling_triton
 from miles.rollout.sampling import SamplingTensors, draws_from_block_masses, sample
 
 log = logging.getLogger(__name__)
+
+SAMPLE_BLOCK_GPU = 256
+"""Rows sampled at once on GPU (bounds the [rows, vocab] temporaries; the block-total unfiltered draw has none
+and samples every row at once unless greedy rows, which take a [rows, vocab] log-softmax, are mixed in)."""
+
+
+def sample_rows(
+    logits: torch.Tensor, st: SamplingTensors, graphs: Any | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(tokens, logprobs, whether a sampler graph drew them) over a forward's logits rows. `graphs` (the
+    runner's `CudaGraphRunner`, or None) replays its sampler graph where the logits are its last replay's
+    and every row takes the plain draw; on CUDA a draw that needs full-vocabulary temporaries goes in blocks
+    of rows; otherwise one eager call."""
+    if graphs is not None and (graphed := graphs.sample(logits, st)) is not None:
+        return graphed[0], graphed[1], True
+    num = logits.shape[0]
+    if (
+        logits.device.type == "cuda"
+        and num > SAMPLE_BLOCK_GPU
+        and (st.any_greedy or not draws_from_block_masses(st, logits.device))
+    ):
+        out = [
+            sample(logits[i : i + SAMPLE_BLOCK_GPU], st.rows(slice(i, i + SAMPLE_BLOCK_GPU)))
+            for i in range(0, num, SAMPLE_BLOCK_GPU)
+        ]
+        return torch.cat([t for t, _ in out]), torch.cat([lp for _, lp in out]), False
+    tokens, logprobs = sample(logits, st)
+    return tokens, logprobs, False
 
 
 @dataclass

@@ -207,3 +207,102 @@ def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None: 
     assert_pool_clean(small)
     # Deterministic mode never speculates, so it loads no draft.
     assert Engine(model, None, config(speculative="draft", deterministic=True)).drafter is None
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "each_its_own"])
+def test_a_groups_samples_share_their_prompt_in_the_draft_pool(share: bool) -> None:
+    """The n = 8 samples of a group fork from one prefill in the engine; in the draft's pool too they hold
+    and compute their 160-token prompt once (each is fed only its own output), so a pool the size of the
+    engine's drafts for nearly all of them. Without sharing, every sample feeds the prompt again and the
+    draft pool fills after a few. The samples are plain decoding's either way, and every slot comes back."""
+    model = tiny_model(False, seed=5, max_position_embeddings=512)
+    prompt = list(range(1, 81)) * 2
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, seed=1, ignore_eos=True)
+    cfg = config(
+        speculative="draft",
+        spec_draft_tokens=3,
+        kv_cache_bytes=kv_bytes(model, 600, page_size=1) * 2,
+        max_batch_tokens=512,
+    )
+    engine = Engine(model, None, cfg, draft_model=copy.deepcopy(model))
+    drafter = engine.drafter
+    assert drafter is not None and drafter.pool.capacity_tokens == engine.pool.capacity_tokens >= 600
+    drafter.share_prompts = share
+    fed, asked, got = [0], [0], [0]
+    forward, propose = drafter._forward, drafter.propose
+
+    def counted_forward(seqs, lens, *rest):  # noqa: ANN001, ANN002, ANN202
+        fed[0] += int(lens.sum())
+        return forward(seqs, lens, *rest)
+
+    def counted_propose(reqs, ks):  # noqa: ANN001, ANN202
+        drafts = propose(reqs, ks)
+        asked[0] += len(reqs)
+        got[0] += sum(1 for d in drafts if d)
+        return drafts
+
+    drafter._forward, drafter.propose = counted_forward, counted_propose  # type: ignore[method-assign]
+    samples = engine.generate([prompt], params)
+    assert_same_samples(samples, Engine(model, None, config()).generate([prompt], params))
+    assert_pool_clean(engine)
+    assert not drafter.prompts
+    outputs = sum(len(s.response_ids) for s in samples)  # 128
+    if share:
+        # The prompt once, then each sample's output and drafts (measured: 272 tokens; 32 of 39 drafted).
+        assert fed[0] <= len(prompt) + 2 * outputs, fed
+        assert got[0] >= 0.75 * asked[0], (got, asked)
+    else:  # measured: 1,392 tokens fed, 25 of 51 drafted
+        assert fed[0] >= 4 * len(prompt), fed
+        assert got[0] < 0.6 * asked[0], (got, asked)
+
+
+def test_requests_are_admitted_while_drafts_fill_the_step() -> None:
+    """Six requests decode with 3 drafts each (24 rows of the step's 24 tokens) while a seventh waits: drafts
+    leave half of what decoding leaves to the waiting request's prefill, which starts at once instead of
+    after the six have finished."""
+    model = tiny_model(False, seed=5, max_position_embeddings=512)
+    cfg = config(speculative="draft", spec_draft_tokens=3, max_batch_tokens=24, max_running_requests=8)
+    engine = Engine(model, None, cfg, draft_model=copy.deepcopy(model))
+    long = SamplingParams(temperature=1.0, max_new_tokens=150, seed=1, ignore_eos=True)
+    for i in range(6):
+        engine.add_request([1 + i, 2, 3], long, index=i)
+    for _ in range(3):
+        engine.step()
+    late = engine.add_request(list(range(10)), SamplingParams(temperature=0.0, max_new_tokens=2))
+    steps = 0
+    while (result := engine.take_result(late)) is None and steps < 36:
+        engine.step()
+        steps += 1
+    assert result is not None and len(result.response_ids) == 2
+    assert steps <= 3, steps  # 36 steps (until the six finished) when drafts took the whole budget
+    assert engine.metrics()["rollout/spec_steps"] > 0
+
+
+def test_a_draft_model_out_of_memory_costs_only_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    engine = Engine(model, None, config(speculative="draft"), draft_model=copy.deepcopy(model))
+
+    def out_of_memory(*args):  # noqa: ANN002, ANN202
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(draft_model.DraftModel, "_catch_up", out_of_memory)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    assert_same_samples(
+        engine.generate(PROMPTS, greedy), Engine(model, None, config()).generate(PROMPTS, greedy)
+    )
+    assert engine.metrics()["rollout/spec_steps"] == 0
+    assert_pool_clean(engine)
+
+
+def test_a_sequence_past_the_drafts_context_gives_its_slots_back() -> None:
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    draft = tiny_model(False, seed=9, max_position_embeddings=16)
+    engine = Engine(model, None, config(speculative="draft"), draft_model=draft)
+    assert engine.drafter is not None
+    engine.add_request(
+        list(range(1, 11)), SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    )
+    for _ in range(12):  # past position 16: no more drafts, and no slots held for them
+        engine.step()
+    assert not engine.drafter.seqs
+    assert engine.drafter.pool.free_tokens == engine.drafter.pool.capacity_tokens

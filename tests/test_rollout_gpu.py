@@ -514,6 +514,10 @@ def test_draft_model_speculation_on_cuda_matches_plain_decoding(draft_kind: str)
             assert metrics["rollout/spec_accepted_tokens"] > 0.8 * metrics["rollout/spec_draft_tokens"], (
                 metrics
             )
+        if params.temperature > 0:  # plain draws on the draft's decode graphs replay its sampler graphs
+            assert drafter.graphed_draws > 0, (drafter.graphed_draws, drafter.draws)
+        else:
+            assert drafter.graphed_draws == 0 < drafter.draws
         if params.temperature == 0.0:
             assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
         else:  # the same draws: tokens agree unless bf16 rounding moves a draw across a token boundary
