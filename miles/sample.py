@@ -41,6 +41,8 @@ class Sample:
     """MoE routing at rollout, for routing replay: [token fed to the model (prompt, then response minus the
     last token)][moe layer][top-k expert ids]."""
     spec_stats: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per response token, the most likely tokens and their logprobs (`SamplingParams.top_logprobs` > 0)."""
 
     @property
     def response_length(self) -> int:

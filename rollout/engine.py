@@ -9,6 +9,7 @@ expose the same loop one step at a time.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from miles.rollout.sampling import (
     mix_seeds,
     prompt_key,
     sample,
+    top_alternatives,
     uniforms_of_mixed,
 )
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
@@ -133,6 +135,9 @@ class _Launched:
     (tokens, logprobs) tensors themselves."""
     done: torch.cuda.Event | None
     """Recorded after that copy (CUDA); None when the copy is synchronous."""
+    alternatives: tuple[list[int], torch.Tensor] | None = None
+    """The sample rows of requests that asked for `top_logprobs`, and [2, rows, count] float64 ids and
+    logprobs of their most likely tokens (in host memory on CUDA, copied behind the step)."""
 
 
 class Engine:
@@ -613,7 +618,12 @@ class Engine:
             running, k = self.scheduler.running, cfg.spec_draft_tokens
             for req in running:
                 req.draft = []
-            if self.scheduler.waiting or not running or len(running) > graph_limit:
+            if (
+                self.scheduler.waiting
+                or not running
+                or len(running) > graph_limit
+                or any(r.params.top_logprobs for r in running)
+            ):
                 return
             room = self.max_context
             if not all(
@@ -627,7 +637,8 @@ class Engine:
             req.draft = []
             # Not before the first output token: the chunk that ends the prompt is a prefill (it goes into
             # the radix cache, which must never hold draft positions).
-            if not (req.is_decoding and req.can_grow and req.output_ids):
+            # A request that wants alternatives gets none for draft rows (`_resolve` reads them per plain row).
+            if not (req.is_decoding and req.can_grow and req.output_ids) or req.params.top_logprobs:
                 continue
             # Bounded so that the kept tokens never pass max_new_tokens or the context.
             k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.max_context - req.seq_len)
@@ -717,6 +728,7 @@ class Engine:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
                     req.output_ids, req.logprobs, req.stop_text, req.ngram = [], [], None, None
+                    req.alternatives = {}
                     req.spec_steps = req.spec_draft_tokens = req.spec_proposed_tokens = 0
                     req.spec_accepted_tokens = 0
         self.flush_cache()
@@ -900,15 +912,42 @@ class Engine:
             if offsets is not None:
                 offsets = np.concatenate((offsets, np.zeros(len(fork_reqs), np.uint64)))
         tokens, logprobs = self._sample(logits, reqs, offsets)
+        alternatives = self._alternatives(logits, reqs)
         if self.device.type != "cuda":  # read by `tolist` at once: no [2, S] float64 copy to make
             host = (tokens, logprobs)
-            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, None)
+            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, alternatives)
         values = torch.stack([tokens.double(), logprobs.double()])
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
+        if alternatives is not None:
+            pinned = torch.empty(alternatives[1].shape, dtype=torch.float64, pin_memory=True)
+            pinned.copy_(alternatives[1], non_blocking=True)
+            alternatives = (alternatives[0], pinned)
         done = torch.cuda.Event()
         done.record()
-        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done)
+        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, alternatives)
+
+    def _alternatives(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The most likely tokens of the sample rows whose requests asked for `top_logprobs` (rare outside
+        serving: nothing is computed for a step without them)."""
+        rows = [i for i, req in enumerate(reqs) if req.params.top_logprobs]
+        if not rows:
+            return None
+        params = [reqs[i].params for i in rows]
+        st = SamplingTensors.build(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+            np.zeros(len(rows)),
+            self.args.vocab_size,
+            self.device,
+        )
+        picked = logits if len(rows) == len(reqs) else logits[host_to_device(np.asarray(rows), self.device)]
+        ids, values = top_alternatives(picked, st, max(p.top_logprobs for p in params))
+        return rows, torch.stack([ids.double(), values.double()])
 
     def _count_admission(self, req: Request, cached: int) -> None:
         """A request's first chunk (or attached fork), starting at position `cached`: the prompt and
@@ -965,6 +1004,10 @@ class Engine:
             step.done.synchronize()  # the step's tokens only, not whatever was queued after it
             self.stats.device_wait_s += time.perf_counter() - waited
         tokens, logprobs = (values.tolist() for values in step.host)
+        alternatives: dict[int, tuple[list[float], list[float]]] = {}
+        if step.alternatives is not None:
+            alt_rows, alt = step.alternatives
+            alternatives = dict(zip(alt_rows, zip(*alt.tolist())))
         finished: list[Sample] = []
         cuts: list[tuple[Request, int]] = []
         row = plain = 0
@@ -982,6 +1025,11 @@ class Engine:
             else:
                 token = int(tokens[first])
                 req.output_ids[-1], req.logprobs[-1] = token, logprobs[first]
+                if first in alternatives:
+                    ids, values = alternatives[first]
+                    req.alternatives[len(req.output_ids) - 1] = [
+                        (int(t), v) for t, v in zip(ids[: req.params.top_logprobs], values) if v > -math.inf
+                    ]
                 plain += 1
                 # The full check only where the token or the length may end the request (`Request.end_ids`).
                 ends, length = req.end_ids, len(req.output_ids)

@@ -64,6 +64,11 @@ def to_sample(
         status=req.status,
         weight_version=weight_version,
         routed_experts=routed,
+        top_logprobs=(
+            [req.alternatives.get(i, []) for i in range(len(req.output_ids))]
+            if req.params.top_logprobs
+            else None
+        ),
         spec_stats=(
             {
                 "verify_steps": req.spec_steps,

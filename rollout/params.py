@@ -31,6 +31,10 @@ class SamplingParams:
     """Keep generating past the EOS ids (benchmarks); `stop_token_ids` and `stop` still apply."""
     return_routing: bool = False
     """Fill `Sample.routed_experts` (MoE models)."""
+    top_logprobs: int = 0
+    """Fill `Sample.top_logprobs` with this many alternatives per response token (at most 20): the most
+    likely tokens and their logprobs under the distribution the token was sampled from. Such requests get
+    no speculative drafts."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -47,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.top_logprobs <= 20:  # sampling.MAX_TOP_LOGPROBS (not imported: torch-free module)
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if isinstance(self.stop, str):
             self.stop = [self.stop]

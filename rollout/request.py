@@ -27,6 +27,8 @@ class Request:
     abort_requested: bool = False
     stop_text: str | None = None
     """Response text cut before a matched stop string."""
+    alternatives: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """`params.top_logprobs` > 0: output position -> its most likely tokens and their logprobs."""
     # KV bookkeeping (see kv_manager.py)
     row: int = -1
     """Row of the request table while the request holds KV, else -1."""

@@ -257,6 +257,32 @@ def draws_from_block_masses(params: SamplingTensors, device: torch.device) -> bo
     return not params.any_filter and not params.all_greedy and fused.compiling() and device.type == "cuda"
 
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives returned per token (OpenAI's limit)."""
+
+
+def top_alternatives(
+    logits: torch.Tensor, params: SamplingTensors, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` most likely tokens of each row and their logprobs under the distribution the row samples
+    from (the one the sampled token's logprob is taken under): logits / temperature, filtered and
+    renormalised where the row filters, and for a greedy row the temperature-1 log-softmax. Tokens a filter
+    drops come last with -inf. -> (token ids [B, count] int64, logprobs [B, count] float32)."""
+    logits = logits.float()
+    greedy = params.temperature == 0.0
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    if params.any_filter:
+        # A greedy row's convention is the unfiltered distribution: no filter for it.
+        vocab = logits.shape[-1]
+        top_k = torch.where(greedy, torch.full_like(params.top_k, vocab), params.top_k)
+        top_p = torch.where(greedy, torch.ones_like(params.top_p), params.top_p)
+        min_p = torch.where(greedy, torch.zeros_like(params.min_p), params.min_p)
+        logq, ids = filtered_logprobs(logits, temperature, top_k, top_p, min_p)
+        return ids[:, :count], logq[:, :count]
+    values, ids = torch.log_softmax(logits / temperature[:, None], dim=-1).topk(count, dim=-1)
+    return ids, values
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype) -> (token ids [B] int64, logprobs [B] float32), no host sync."""
     if params.all_greedy:

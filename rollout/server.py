@@ -9,12 +9,13 @@ keys are never logged.
 Beyond OpenAI's fields, a request may set `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and
 `return_token_ids` (the prompt's and each choice's token ids, for token-in/token-out clients). `logprobs`
 returns the sampled tokens' logprobs, under the distribution they were sampled from (temperature, top-p...:
-the engine's convention, docs/rollout.md), without alternatives. `stream: true` sends server-sent events
+the engine's convention, docs/rollout.md), with up to 20 alternatives per token under the same distribution
+(completions: `logprobs: N`; chat: `logprobs: true, top_logprobs: N`). `stream: true` sends server-sent events
 (OpenAI's chunks, then `data: [DONE]`; `stream_options.include_usage` adds the usage), holding back the
 last characters while a stop string could still take them back; a client that hangs up stops its
 generation. Not supported, and refused with a 400 rather than ignored: `echo`, `suffix`, `best_of` > 1,
 logprobs or token ids with streaming, non-zero `frequency_penalty` /
-`presence_penalty`, `logit_bias`, `top_logprobs` > 0, tool calling (`tools`, `tool_calls`, ...) and
+`presence_penalty`, `logit_bias`, tool calling (`tools`, `tool_calls`, ...) and
 `response_format`. Chat content may be a string or text parts. Tokenizing runs on the engine's thread
 (the tokenizer is the engine's); a request waiting past `request_timeout_s` gets a 504 and what it still
 runs is aborted.
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from miles.rollout.params import SamplingParams
+from miles.rollout.sampling import MAX_TOP_LOGPROBS
 from miles.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -333,11 +335,16 @@ class EngineServer:
                     "finish_reason": _FINISH[sample.status],
                     "logprobs": None,
                 }
-                if body.get("logprobs") not in (None, False):  # an int: 0 (no alternatives) or 1
+                if body.get("logprobs") not in (None, False):  # an int: the alternatives per token
                     choice["logprobs"] = {
                         "tokens": self._token_strings(sample.response_ids),
                         "token_logprobs": list(sample.rollout_logprobs),
-                        "top_logprobs": None,
+                        "top_logprobs": [
+                            dict(zip(self._token_strings([t for t, _ in alts]), (lp for _, lp in alts)))
+                            for alts in sample.top_logprobs
+                        ]
+                        if sample.top_logprobs is not None
+                        else None,
                         "text_offset": None,
                     }
                 if body.get("return_token_ids"):
@@ -367,10 +374,19 @@ class EngineServer:
             }
             if body.get("logprobs"):
                 tokens = self._token_strings(sample.response_ids)
+                alternatives = sample.top_logprobs or [[] for _ in tokens]
                 choice["logprobs"] = {
                     "content": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, sample.rollout_logprobs)
+                        {
+                            "token": t,
+                            "logprob": lp,
+                            "bytes": list(t.encode()),
+                            "top_logprobs": [
+                                {"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                for a, (_, alp) in zip(self._token_strings([i for i, _ in alts]), alts)
+                            ],
+                        }
+                        for t, lp, alts in zip(tokens, sample.rollout_logprobs, alternatives)
                     ]
                 }
             if body.get("return_token_ids"):
@@ -553,10 +569,7 @@ def _sampling_params(
             raise RequestError(
                 HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (no tool calling or JSON mode)"
             )
-    if body.get("top_logprobs") not in (None, 0) or body.get("logprobs") not in (None, False, True, 0, 1):
-        raise RequestError(
-            HTTPStatus.BAD_REQUEST, "alternatives' logprobs (top_logprobs, logprobs > 1) are not supported"
-        )
+    alternatives = _alternatives_asked(body)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -577,9 +590,30 @@ def _sampling_params(
             stop_token_ids=[int(t) for t in body.get("stop_token_ids") or []],
             seed=None if body.get("seed") is None else int(body["seed"]),
             ignore_eos=bool(_given(body, "ignore_eos", False)),
+            top_logprobs=alternatives,
         )
     except (TypeError, ValueError) as err:
         raise RequestError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {err}") from err
+
+
+def _alternatives_asked(body: dict[str, Any]) -> int:
+    """Alternatives per token: chat's `top_logprobs` (with `logprobs: true`), or completions' `logprobs: N`."""
+    top, logprobs = body.get("top_logprobs"), body.get("logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]"
+            )
+        if top and not logprobs:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'top_logprobs' needs 'logprobs': true")
+        return top
+    if logprobs is None or isinstance(logprobs, bool):
+        return 0
+    if not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            HTTPStatus.BAD_REQUEST, f"'logprobs' must be a boolean or an integer in [0, {MAX_TOP_LOGPROBS}]"
+        )
+    return logprobs
 
 
 def _given(body: dict[str, Any], key: str, default: Any) -> Any:

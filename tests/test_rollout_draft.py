@@ -306,3 +306,22 @@ def test_a_sequence_past_the_drafts_context_gives_its_slots_back() -> None:
         engine.step()
     assert not engine.drafter.seqs
     assert engine.drafter.pool.free_tokens == engine.drafter.pool.capacity_tokens
+
+
+def test_requests_asking_for_alternatives_decode_without_drafts() -> None:
+    """Alternatives are read per plain sample row: a request with `top_logprobs` gets no drafts, the others
+    in its batch still do, and the samples stay plain decoding's."""
+    model = tiny_model(False, seed=5, max_position_embeddings=64)
+    engine = Engine(model, None, config(speculative="draft"), draft_model=copy.deepcopy(model))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=4, ignore_eos=True)
+    asking = [engine.add_request(p, params.with_(top_logprobs=2)) for p in PROMPTS[:2]]
+    others = [engine.add_request(p, params) for p in PROMPTS[2:]]
+    while engine.has_unfinished:
+        engine.step()
+    alternatives = [engine.take_result(r) for r in asking]
+    plain = [engine.take_result(r) for r in others]
+    assert all(s.spec_stats == {} and s.top_logprobs and len(s.top_logprobs) == 12 for s in alternatives)
+    assert all(s.spec_stats["verify_steps"] > 0 and s.top_logprobs is None for s in plain)
+    expected = Engine(model, None, config()).generate(PROMPTS, params)
+    assert [s.response_ids for s in alternatives + plain] == [s.response_ids for s in expected]
+    assert_pool_clean(engine)

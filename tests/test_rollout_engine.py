@@ -6,11 +6,12 @@ Tiny random float32 Qwen3 / Qwen3-MoE models; the transformers models are loaded
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
 import torch
-from rollout_helpers import assert_pool_clean, full_forward_logprobs, rollout_config, tiny_model
+from rollout_helpers import assert_pool_clean, full_forward_logprobs, hf_logq, rollout_config, tiny_model
 from transformers import AutoModelForCausalLM
 
 from miles.config import RolloutConfig
@@ -134,6 +135,54 @@ def test_logprobs_equal_a_full_forward(
         assert torch.isfinite(ref).all()
         torch.testing.assert_close(torch.tensor(s.rollout_logprobs), ref, atol=1e-5, rtol=0)
     assert len({tuple(s.response_ids) for s in samples}) > len(PROMPTS), "n samples of a prompt should differ"
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p", [(0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (0.7, 20, 0.9, 0.0)]
+)
+def test_alternatives_are_the_most_likely_tokens_of_the_sampled_distribution(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    """`top_logprobs=5`: per response token, the 5 most likely tokens under the distribution it was drawn from
+    (transformers' warpers over a full forward; greedy: the temperature-1 log-softmax), those a filter drops
+    left out; the sampled token's logprob is its entry there. Requests without it in the same batch get
+    None, and the samples are those drawn without alternatives."""
+    model = tiny_model(False, seed=1)
+    engine = Engine(model, None, config(max_batch_tokens=16, max_running_requests=16))  # mixed, chunked steps
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, max_new_tokens=12, seed=5
+    )
+    rids = [engine.add_request(p, params.with_(top_logprobs=5)) for p in PROMPTS]
+    plain_rid = engine.add_request(PROMPTS[0], params)
+    while engine.has_unfinished:
+        engine.step()
+    samples = [engine.take_result(r) for r in rids]
+    assert engine.take_result(plain_rid).top_logprobs is None
+    expected = Engine(model, None, config()).generate(PROMPTS, params)
+    assert [s.response_ids for s in samples] == [s.response_ids for s in expected]
+    for s in samples:
+        assert s.top_logprobs is not None and len(s.top_logprobs) == len(s.response_ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([s.prompt_ids + s.response_ids]))[0, len(s.prompt_ids) - 1 : -1]
+        for row, token, logprob, alternatives in zip(
+            logits, s.response_ids, s.rollout_logprobs, s.top_logprobs
+        ):
+            if temperature == 0.0:
+                ref = torch.log_softmax(row, dim=-1)
+            else:
+                ref = hf_logq(row, temperature, top_k, top_p, min_p)
+            values, ids = ref.topk(5)
+            kept = [(int(t), float(v)) for t, v in zip(ids, values) if v > -math.inf]
+            assert [t for t, _ in alternatives] == [t for t, _ in kept]
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in alternatives]),
+                torch.tensor([v for _, v in kept]),
+                atol=1e-5,
+                rtol=0,
+            )
+            if token in dict(alternatives):
+                assert dict(alternatives)[token] == pytest.approx(logprob, abs=1e-5)
+    assert_pool_clean(engine)
 
 
 def test_grpo_groups_prefill_each_prompt_once() -> None:

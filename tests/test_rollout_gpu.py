@@ -1084,3 +1084,29 @@ def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
     assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
     if moe:
         assert [s.routed_experts for s in after] == [s.routed_experts for s in before]
+
+
+def test_alternatives_on_cuda_come_back_with_their_tokens() -> None:
+    """`top_logprobs` on the GPU (CUDA-graph decode, overlap scheduling): the alternatives travel back with
+    the step's tokens; a greedy token is its own first alternative, with its logprob, and the samples are
+    those drawn without alternatives."""
+    model = gpu_model(moe=False, seed=7)
+    cfg = config(backend="flashinfer", cuda_graph=True)
+    for params in (
+        GREEDY.with_(n=2),
+        SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=24, seed=3),
+    ):
+        plain = Engine(model, None, cfg).generate(PROMPTS, params)
+        got = Engine(model, None, cfg).generate(PROMPTS, params.with_(top_logprobs=3))
+        assert [s.response_ids for s in got] == [s.response_ids for s in plain]
+        for s in got:
+            assert s.top_logprobs is not None and len(s.top_logprobs) == len(s.response_ids)
+            assert all(1 <= len(alts) <= 3 for alts in s.top_logprobs)
+            for token, logprob, alts in zip(s.response_ids, s.rollout_logprobs, s.top_logprobs):
+                values = [v for _, v in alts]
+                assert values == sorted(values, reverse=True)
+                if params.temperature == 0.0:
+                    assert alts[0][1] == pytest.approx(
+                        logprob, abs=1e-3
+                    )  # (an exact tie may order either way)
+                    assert token in [t for t, v in alts if v == alts[0][1]]

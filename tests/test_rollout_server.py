@@ -116,6 +116,43 @@ def test_chat_completions_apply_the_chat_template(server: EngineServer, loaded: 
     assert [t["logprob"] for t in choice["logprobs"]["content"]] == expected.rollout_logprobs
 
 
+def test_alternatives_logprobs_are_the_engine_s_top_logprobs(server: EngineServer, loaded: Any) -> None:
+    """Completions' `logprobs: N` and chat's `logprobs: true, top_logprobs: N` return, per token, the N most
+    likely tokens and their logprobs under the distribution sampled from (`SamplingParams.top_logprobs`)."""
+    prompt = "Ann has 12 pens and gives away 7. How many pens are left?"
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 5, "logprobs": 3}
+    status, out = call(server, "/v1/completions", body)
+    assert status == 200, out
+    ids = list(loaded.tokenizer(prompt)["input_ids"])
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=8, seed=5, top_logprobs=3)
+    (expected,) = Engine(loaded.model, loaded.tokenizer, RolloutConfig()).generate([ids], params)
+    assert expected.top_logprobs is not None
+    got = out["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(got) == len(expected.response_ids)
+    for position, alternatives in zip(got, expected.top_logprobs):
+        assert 1 <= len(position) <= 3
+        assert list(position.values()) == pytest.approx([lp for _, lp in alternatives], abs=1e-5)
+    # After the chat-template test, which compares exact logprobs: a chat prompt cached before it would
+    # change its prefill's chunks.
+    messages = [{"role": "user", "content": "What is 3+4?"}]
+    body = {"messages": messages, "temperature": 0, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}
+    status, out = call(server, "/v1/chat/completions", body)
+    assert status == 200, out
+    chat_ids = PromptFormatter(loaded.tokenizer, DataConfig()).ids(messages)
+    (greedy,) = Engine(loaded.model, loaded.tokenizer, RolloutConfig()).generate(
+        [chat_ids], SamplingParams(temperature=0.0, max_new_tokens=6, top_logprobs=2)
+    )
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == EngineServer._token_strings(server, greedy.response_ids)
+    for token, alts in zip(content, greedy.top_logprobs or [], strict=True):
+        assert [a["logprob"] for a in token["top_logprobs"]] == pytest.approx(
+            [lp for _, lp in alts], abs=1e-5
+        )
+    # Greedy: the chosen token is the most likely one, and its logprob is its alternative's.
+    assert all(t["top_logprobs"][0]["token"] == t["token"] for t in content)
+    assert all(t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"], abs=1e-6) for t in content)
+
+
 def test_concurrent_requests_share_engine_steps(server: EngineServer) -> None:
     results: list[tuple[int, Any]] = [None] * 8  # type: ignore[list-item]
     steps_before = server.engine.stats.steps
@@ -214,7 +251,9 @@ def test_openai_fields_the_server_reads_and_those_it_refuses(server: EngineServe
     refused = [
         ({"prompt": "x", "temperature": float("nan")}, "temperature"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, "'tools' is not supported"),
-        ({"prompt": "x", "logprobs": 5}, "alternatives"),
+        ({"prompt": "x", "logprobs": 21}, "'logprobs' must be"),
+        ({"prompt": "x", "top_logprobs": 2}, "needs 'logprobs': true"),
+        ({"prompt": "x", "logprobs": True, "top_logprobs": 25}, "'top_logprobs' must be"),
         ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ]
     for body, message in refused:
