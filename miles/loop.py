@@ -11,6 +11,7 @@ samples, the trainer sums gradients across ranks, and rank 0 writes the run dire
 from __future__ import annotations
 
 import logging
+import math
 import random
 import shutil
 import statistics
@@ -190,6 +191,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     from miles.trainer.draft_trainer import DraftTrainer
     from miles.weight_sync import InProcessWeightSync
 
+    if cfg.rollout.spec_draft_train:
+        _check_draft_training(cfg)  # before the models load
     inputs = prepare_inputs(cfg, dp)
     model, tokenizer, eos = inputs.model, inputs.tokenizer, inputs.stop_token_ids
     train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
@@ -217,7 +220,6 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     )
     draft, draft_trainer = None, None
     if cfg.rollout.spec_draft_train:
-        _check_draft_training(cfg)
         draft = load_draft_model(model, cfg.rollout)
         dp.broadcast_module(draft)
         draft_trainer = DraftTrainer(
@@ -283,6 +285,13 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         if draft_trainer is not None:
             resume_draft(*resume_from, draft_trainer)
             engine.draft_weights_changed()
+        elif (resume_from[0] / DRAFT_DIR).is_dir():
+            log.warning(
+                "%s holds a trained draft model, which this run does not use (rollout.spec_draft_train is "
+                "off); to draft with it, set rollout.spec_draft_model=%s",
+                resume_from[0],
+                resume_from[0] / DRAFT_DIR,
+            )
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -391,7 +400,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                     resumed = time.perf_counter()
                     engine.resume_memory()
                     own["time/kv_release"] += time.perf_counter() - resumed
-            # The policy's update alone (the draft's is time/draft_train).
+            # The policy's update and the KV release around it (the draft's update is time/draft_train).
             own["time/train"] = time.perf_counter() - t - own.get("time/draft_train", 0.0)
 
             result = sync.sync(version=step)
@@ -445,6 +454,15 @@ def _check_draft_training(cfg: MilesConfig) -> None:
         raise MilesUserError(
             "rollout.spec_draft_train is not supported with trainer.tensor_parallel_size > 1 yet (each rank "
             "would train the draft on its tensor-parallel group's samples); turn one of them off"
+        )
+    if not cfg.rollout.spec_draft_model:
+        raise MilesUserError(
+            "rollout.spec_draft_train needs the draft to start from: set rollout.spec_draft_model"
+        )
+    if cfg.rollout.spec_draft_train_epochs < 1 or not 0 < cfg.rollout.spec_draft_lr < math.inf:
+        raise MilesUserError(
+            "rollout.spec_draft_train_epochs must be >= 1 and rollout.spec_draft_lr positive and finite, got "
+            f"{cfg.rollout.spec_draft_train_epochs} and {cfg.rollout.spec_draft_lr}"
         )
 
 

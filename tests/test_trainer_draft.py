@@ -84,27 +84,48 @@ def test_draft_training_takes_only_samples_it_can_learn_from() -> None:
     ok = Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], loss_mask=[1, 0, 1], group_id=3, index=1)
     aborted = Sample(prompt_ids=[5], response_ids=[7], status=SampleStatus.ABORTED)
     empty = Sample(prompt_ids=[5], response_ids=[])
-    too_long = Sample(prompt_ids=[5] * draft.args.context_length, response_ids=[7, 8])
+    context = draft.args.context_length
+    no_room = Sample(prompt_ids=[5] * (context + 1), response_ids=[7, 8])
+    long = Sample(prompt_ids=[5] * (context - 2), response_ids=[7, 8, 9, 10, 11])  # 3 response tokens fit
     unmasked = Sample(prompt_ids=[5], response_ids=[7, 8])
-    kept = trainer.training_samples([ok, aborted, empty, too_long, unmasked])
+    kept, cut = trainer.training_samples([ok, aborted, empty, no_room, long, unmasked])
     assert [(s.response_ids, s.loss_mask, s.group_id, s.index) for s in kept] == [
         ([7, 8, 9], [1, 0, 1], 3, 1),
+        ([7, 8, 9], [1, 1, 1], 0, 0),
         ([7, 8], [1, 1], 0, 0),
     ]
+    assert cut == 1 and len(kept[1].prompt_ids) + len(kept[1].response_ids) - 1 == context
     metrics = trainer.train_step([aborted, empty])
-    assert metrics == {"draft/skipped_samples": 2.0}  # nothing to learn from: no optimizer step
+    assert metrics == {"draft/skipped_samples": 2.0, "draft/truncated_samples": 0.0}  # no optimizer step
+    # A draft with a smaller (padded) vocabulary: ids it lacks are fed as its last and not trained on.
+    smaller = DraftTrainer(draft, draft.args.vocab_size + 20, cfg.trainer, cfg.rollout, cfg.algorithm)
+    beyond = draft.args.vocab_size + 5
+    (clamped,), _ = smaller.training_samples([Sample(prompt_ids=[beyond, 5], response_ids=[7, beyond, 9])])
+    last = draft.args.vocab_size - 1
+    assert clamped.prompt_ids == [last, 5] and clamped.response_ids == [7, last, 9]
+    assert clamped.loss_mask == [1, 0, 1]
 
 
 def test_draft_training_settings_are_checked() -> None:
     cfg = _config()
     draft = load_model("init:qwen3:tiny", device="cpu", seed=1).model
     with pytest.raises(ValueError, match="vocabulary"):
-        DraftTrainer(draft, draft.args.vocab_size + 1, cfg.trainer, cfg.rollout, cfg.algorithm)
+        DraftTrainer(draft, draft.args.vocab_size - 1, cfg.trainer, cfg.rollout, cfg.algorithm)
+    with pytest.raises(ValueError, match="spec_draft_lr"):
+        DraftTrainer(draft, 101, cfg.trainer, replace(cfg.rollout, spec_draft_lr=float("nan")), cfg.algorithm)
     with pytest.raises(ValueError, match="spec_draft_train_epochs"):
         DraftTrainer(draft, 101, cfg.trainer, replace(cfg.rollout, spec_draft_train_epochs=0), cfg.algorithm)
+    cfg.rollout = replace(cfg.rollout, spec_draft_model="init:qwen3:tiny")
     _check_draft_training(cfg)
     for rollout in (replace(cfg.rollout, speculative="ngram"), replace(cfg.rollout, deterministic=True)):
         with pytest.raises(MilesUserError, match="speculative=draft"):
+            _check_draft_training(replace(cfg, rollout=rollout))
+    for rollout, message in (
+        (replace(cfg.rollout, spec_draft_model=None), "set rollout.spec_draft_model"),
+        (replace(cfg.rollout, spec_draft_model="x", spec_draft_lr=float("inf")), "positive and finite"),
+        (replace(cfg.rollout, spec_draft_model="x", spec_draft_train_epochs=0), "must be >= 1"),
+    ):
+        with pytest.raises(MilesUserError, match=message):
             _check_draft_training(replace(cfg, rollout=rollout))
 
 

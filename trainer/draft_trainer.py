@@ -14,6 +14,7 @@ how many drafts are accepted, never what the policy learns from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +22,7 @@ from miles.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from miles.distributed import SINGLE, DataParallel
 from miles.models.model import CausalLM
 from miles.sample import Sample, SampleStatus
-from miles.trainer.packing import fed_length, response_loss_mask
+from miles.trainer.packing import response_loss_mask
 from miles.trainer.torch_trainer import TorchTrainer
 
 
@@ -53,16 +54,14 @@ class DraftTrainer:
             raise ValueError(
                 f"rollout.spec_draft_train_epochs must be >= 1, got {rollout.spec_draft_train_epochs}"
             )
-        if rollout.spec_draft_lr <= 0:
+        if not 0 < rollout.spec_draft_lr < math.inf:
             raise ValueError(f"rollout.spec_draft_lr must be positive, got {rollout.spec_draft_lr}")
-        if draft.args.vocab_size != policy_vocab_size:
-            # The engine drafts with a smaller vocabulary (clamping the ids it lacks), but a target id the
-            # draft has no logit for cannot be trained on.
+        if draft.args.vocab_size > policy_vocab_size:
             raise ValueError(
-                f"rollout.spec_draft_train needs the draft model's vocabulary ({draft.args.vocab_size} tokens) "
-                f"to equal the policy's ({policy_vocab_size}); use a draft with the policy's vocabulary or "
-                "turn rollout.spec_draft_train off"
+                f"the draft model's vocabulary ({draft.args.vocab_size} tokens) is larger than the policy's "
+                f"({policy_vocab_size}): a draft model must share the policy's tokenizer"
             )
+        self.policy_vocab_size = policy_vocab_size
         self.model = draft
         self.epochs = rollout.spec_draft_train_epochs
         self.max_tokens = draft.args.context_length
@@ -81,31 +80,46 @@ class DraftTrainer:
     def memory_reserve_bytes(self) -> int:
         return self.trainer.memory_reserve_bytes()
 
-    def training_samples(self, samples: list[Sample]) -> list[Sample]:
-        """The samples the draft learns from: those with a response that fit in its context, as copies that
-        carry the tokens, the loss mask (tool outputs of multi-turn samples stay masked) and the batch order."""
-        return [
-            Sample(
-                prompt=s.prompt,
-                prompt_ids=s.prompt_ids,
-                response_ids=s.response_ids,
-                loss_mask=response_loss_mask(s),
-                group_id=s.group_id,
-                index=s.index,
+    def training_samples(self, samples: list[Sample]) -> tuple[list[Sample], int]:
+        """The samples the draft learns from, as copies that carry the tokens, the loss mask (tool outputs of
+        multi-turn samples stay masked) and the batch order: those with a response, cut to the draft's
+        context where longer (the part that fits still teaches it); ids past the draft's vocabulary (a
+        smaller, padded one) are fed as its last id and not trained on. Returns them and how many were cut."""
+        vocab = self.model.args.vocab_size
+        kept, cut = [], 0
+        for s in samples:
+            room = (
+                self.max_tokens - len(s.prompt_ids) + 1
+            )  # response tokens that fit: fed = prompt + response - 1
+            if not s.response_ids or not s.prompt_ids or s.status == SampleStatus.ABORTED or room < 1:
+                continue
+            response, mask = s.response_ids[:room], response_loss_mask(s)[:room]
+            cut += len(response) < len(s.response_ids)
+            prompt = s.prompt_ids
+            if self.policy_vocab_size > vocab:
+                mask = [m if t < vocab else 0 for m, t in zip(mask, response)]
+                prompt = [min(t, vocab - 1) for t in prompt]
+                response = [min(t, vocab - 1) for t in response]
+            kept.append(
+                Sample(
+                    prompt=s.prompt,
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    loss_mask=mask,
+                    group_id=s.group_id,
+                    index=s.index,
+                )
             )
-            for s in samples
-            if s.response_ids
-            and s.prompt_ids
-            and s.status != SampleStatus.ABORTED
-            and fed_length(s) <= self.max_tokens
-        ]
+        return kept, cut
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """`spec_draft_train_epochs` optimizer steps on the step's samples (every rank calls it, with its
         own). `draft/loss` is the first epoch's: the draft's NLL of tokens it has not been trained on yet."""
-        usable = self.training_samples(samples)
-        total, skipped = self.dp.all_reduce_floats([float(len(usable)), float(len(samples) - len(usable))])
-        metrics: dict[str, float] = {"draft/skipped_samples": skipped}
+        usable, cut = self.training_samples(samples)
+        total, skipped, truncated = self.dp.all_reduce_floats(
+            [float(len(usable)), float(len(samples) - len(usable)), float(cut)]
+        )
+        metrics: dict[str, float] = {"draft/skipped_samples": skipped, "draft/truncated_samples": truncated}
         if total == 0:
             return metrics
         epochs = [self.trainer.sft_step(usable) for _ in range(self.epochs)]
