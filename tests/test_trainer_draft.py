@@ -20,6 +20,20 @@ from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample, SampleStatus
 from miles.trainer.draft_trainer import DraftTrainer
 
+_RUN_WITH_DRAFT_TRAINING = [
+    "recipe=grpo_math",
+    "trainer.eval_every=0",
+    "rollout.rollout_batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "trainer.global_batch_size=16",
+    "rollout.speculative=draft",
+    "rollout.spec_draft_model=init:qwen3:tiny",
+    "rollout.spec_draft_train=true",
+    "rollout.spec_draft_lr=1e-3",
+    "rollout.spec_draft_train_epochs=2",
+]
+"""A small `miles train` run that trains a random draft (the last three are the draft-training settings)."""
+
 
 def _config(**rollout: object) -> MilesConfig:
     cfg = MilesConfig()
@@ -135,20 +149,7 @@ def test_a_run_checkpoints_its_trained_draft_and_resumes_it(tmp_path: Path) -> N
     draft at step 2 as the uninterrupted run."""
     from safetensors.torch import load_file
 
-    common = [
-        "recipe=grpo_math",
-        "trainer.max_steps=2",
-        "trainer.save_every=1",
-        "trainer.eval_every=0",
-        "rollout.rollout_batch_size=4",
-        "rollout.n_samples_per_prompt=4",
-        "trainer.global_batch_size=16",
-        "rollout.speculative=draft",
-        "rollout.spec_draft_model=init:qwen3:tiny",
-        "rollout.spec_draft_train=true",
-        "rollout.spec_draft_lr=1e-3",
-        "rollout.spec_draft_train_epochs=2",
-    ]
+    common = [*_RUN_WITH_DRAFT_TRAINING, "trainer.max_steps=2", "trainer.save_every=1"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     out = run_miles(tmp_path, *common, run_dir=whole)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -173,7 +174,7 @@ def test_a_run_checkpoints_its_trained_draft_and_resumes_it(tmp_path: Path) -> N
     # The trained draft is a checkpoint of its own: a later run drafts with it.
     out = run_miles(
         tmp_path,
-        *common[:-3],
+        *_RUN_WITH_DRAFT_TRAINING[:-3],
         "trainer.max_steps=1",
         "trainer.save_every=0",
         f"rollout.spec_draft_model={whole / 'checkpoints' / 'step_000002' / 'draft'}",
@@ -187,18 +188,7 @@ def test_two_processes_train_the_draft_as_one(tmp_path: Path) -> None:
     summed across ranks, so the draft's first update is one process's on the whole batch."""
     from safetensors.torch import load_file
 
-    common = [
-        "recipe=grpo_math",
-        "trainer.max_steps=1",
-        "trainer.eval_every=0",
-        "rollout.rollout_batch_size=4",
-        "rollout.n_samples_per_prompt=4",
-        "trainer.global_batch_size=16",
-        "rollout.speculative=draft",
-        "rollout.spec_draft_model=init:qwen3:tiny",
-        "rollout.spec_draft_train=true",
-        "rollout.spec_draft_lr=1e-3",
-    ]
+    common = [*_RUN_WITH_DRAFT_TRAINING, "trainer.max_steps=1"]
     one, two = tmp_path / "one", tmp_path / "two"
     out = run_miles(tmp_path, *common, run_dir=one)
     assert out.returncode == 0, out.stderr[-3000:]
