@@ -249,6 +249,8 @@ class Engine:
         self._prompt_texts: dict[int, str] = {}
         self._released = False
         self._warned_draft_oom = False
+        self._alternative_requests = 0
+        """Unfinished requests that asked for `top_logprobs`: while there are none, a step looks for none."""
         self._last_step_ran = False
         self._abort_flagged = False
         if cfg.overlap_schedule not in ("auto", "on", "off"):
@@ -493,6 +495,7 @@ class Engine:
             room=self.max_context - len(prompt),
         )
         self._requests[rid] = req
+        self._alternative_requests += bool(params.top_logprobs)
         if prompt_text is not None:
             self._prompt_texts[rid] = prompt_text
         if error is not None:
@@ -622,7 +625,7 @@ class Engine:
                 self.scheduler.waiting
                 or not running
                 or len(running) > graph_limit
-                or any(r.params.top_logprobs for r in running)
+                or (self._alternative_requests and any(r.params.top_logprobs for r in running))
             ):
                 return
             room = self.max_context
@@ -932,6 +935,8 @@ class Engine:
     ) -> tuple[list[int], torch.Tensor] | None:
         """The most likely tokens of the sample rows whose requests asked for `top_logprobs` (rare outside
         serving: nothing is computed for a step without them)."""
+        if not self._alternative_requests:
+            return None
         rows = [i for i, req in enumerate(reqs) if req.params.top_logprobs]
         if not rows:
             return None
@@ -1200,6 +1205,8 @@ class Engine:
         return torch.cat([t for t, _ in out])[:num], torch.cat([lp for _, lp in out])[:num]
 
     def _finish(self, req: Request, status: SampleStatus, error: str | None = None) -> Sample:
+        if req.params.top_logprobs and not req.finished:
+            self._alternative_requests -= 1
         # Finished while its next step is queued (overlap): that step's KV slots are the request's too.
         req.kv_len += req.inflight_tokens
         req.inflight_tokens = 0

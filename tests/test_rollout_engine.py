@@ -158,6 +158,7 @@ def test_alternatives_are_the_most_likely_tokens_of_the_sampled_distribution(
         engine.step()
     samples = [engine.take_result(r) for r in rids]
     assert engine.take_result(plain_rid).top_logprobs is None
+    assert engine._alternative_requests == 0  # steps look for alternatives again only when asked
     expected = Engine(model, None, config()).generate(PROMPTS, params)
     assert [s.response_ids for s in samples] == [s.response_ids for s in expected]
     for s in samples:
