@@ -250,7 +250,7 @@ class DraftModel:
             if need > free:
                 if new:  # fed nothing: it holds no row until it can be (and computes no prompt for others)
                     self._drop(req.rid)
-                    if seq.prompt is None:
+                    if seq.prompt is None and self.share_prompts and req.output_ids:  # the key it added
                         starting.discard(tuple(req.prompt_ids))
                 continue
             free -= need

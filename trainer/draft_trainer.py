@@ -55,7 +55,9 @@ class DraftTrainer:
                 f"rollout.spec_draft_train_epochs must be >= 1, got {rollout.spec_draft_train_epochs}"
             )
         if not 0 < rollout.spec_draft_lr < math.inf:
-            raise ValueError(f"rollout.spec_draft_lr must be positive, got {rollout.spec_draft_lr}")
+            raise ValueError(
+                f"rollout.spec_draft_lr must be positive and finite, got {rollout.spec_draft_lr}"
+            )
         if draft.args.vocab_size > policy_vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({draft.args.vocab_size} tokens) is larger than the policy's "
