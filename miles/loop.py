@@ -11,7 +11,6 @@ samples, the trainer sums gradients across ranks, and rank 0 writes the run dire
 from __future__ import annotations
 
 import logging
-import math
 import random
 import shutil
 import statistics
@@ -459,11 +458,12 @@ def _check_draft_training(cfg: MilesConfig) -> None:
         raise MilesUserError(
             "rollout.spec_draft_train needs the draft to start from: set rollout.spec_draft_model"
         )
-    if cfg.rollout.spec_draft_train_epochs < 1 or not 0 < cfg.rollout.spec_draft_lr < math.inf:
-        raise MilesUserError(
-            "rollout.spec_draft_train_epochs must be >= 1 and rollout.spec_draft_lr positive and finite, got "
-            f"{cfg.rollout.spec_draft_train_epochs} and {cfg.rollout.spec_draft_lr}"
-        )
+    from miles.trainer.draft_trainer import check_draft_settings
+
+    try:
+        check_draft_settings(cfg.rollout)
+    except ValueError as err:
+        raise MilesUserError(str(err)) from err
 
 
 def resume_draft(folder: Path, state: RunState, draft_trainer: Any) -> None:

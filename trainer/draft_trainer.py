@@ -40,6 +40,16 @@ def draft_trainer_config(trainer: TrainerConfig, rollout: RolloutConfig) -> Trai
     )
 
 
+def check_draft_settings(rollout: RolloutConfig) -> None:
+    """Raise ValueError for draft-training settings no run can use."""
+    if rollout.spec_draft_train_epochs < 1:
+        raise ValueError(
+            f"rollout.spec_draft_train_epochs must be >= 1, got {rollout.spec_draft_train_epochs}"
+        )
+    if not 0 < rollout.spec_draft_lr < math.inf:
+        raise ValueError(f"rollout.spec_draft_lr must be positive and finite, got {rollout.spec_draft_lr}")
+
+
 class DraftTrainer:
     def __init__(
         self,
@@ -50,14 +60,7 @@ class DraftTrainer:
         algorithm: AlgorithmConfig,
         dp: DataParallel = SINGLE,
     ) -> None:
-        if rollout.spec_draft_train_epochs < 1:
-            raise ValueError(
-                f"rollout.spec_draft_train_epochs must be >= 1, got {rollout.spec_draft_train_epochs}"
-            )
-        if not 0 < rollout.spec_draft_lr < math.inf:
-            raise ValueError(
-                f"rollout.spec_draft_lr must be positive and finite, got {rollout.spec_draft_lr}"
-            )
+        check_draft_settings(rollout)
         if draft.args.vocab_size > policy_vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({draft.args.vocab_size} tokens) is larger than the policy's "
@@ -90,9 +93,8 @@ class DraftTrainer:
         vocab = self.model.args.vocab_size
         kept, cut = [], 0
         for s in samples:
-            room = (
-                self.max_tokens - len(s.prompt_ids) + 1
-            )  # response tokens that fit: fed = prompt + response - 1
+            # Response tokens that fit (a sample feeds its prompt and all of its response but the last).
+            room = self.max_tokens - len(s.prompt_ids) + 1
             if not s.response_ids or not s.prompt_ids or s.status == SampleStatus.ABORTED or room < 1:
                 continue
             response, mask = s.response_ids[:room], response_loss_mask(s)[:room]
