@@ -122,18 +122,26 @@ class RolloutConfig:
     """Batch-invariant kernels so a request's result does not depend on its batch."""
     speculative: str = "off"
     """Speculative decoding, exact (the same samples as without): off | ngram (drafts from the request's own
-    tokens) | draft (drafts from a smaller model, `spec_draft_model`)."""
+    tokens) | draft (drafts from a smaller model, `spec_draft_model`) | head (drafts from a small head over the
+    model's own hidden states, `spec_head`)."""
     spec_draft_model: str | None = None
     """The draft model of speculative=draft: a checkpoint folder (or builtin: / init: / smollm2: as for
     model.path) with the model's tokenizer; loaded in the model's dtype on its device."""
+    spec_head: str | None = None
+    """The draft head of speculative=head: a folder written by `miles train` (checkpoints/step_N/draft_head);
+    unset: a new head (train it with spec_draft_train)."""
+    spec_head_intermediate_size: int = 0
+    """MLP width of a new draft head; 0: the model's MLP width."""
     spec_draft_tokens: int = 4
     """Most draft tokens verified per request and step."""
     spec_draft_train: bool = False
-    """In `miles train`: train the draft model online on every step's rollouts (masked NLL of the sampled
-    response tokens, a Monte-Carlo estimate of KL(policy || draft)), so its drafts follow the policy as it
-    learns. The samples stay plain decoding's either way; only the acceptance rate changes."""
+    """In `miles train`: train the draft model (speculative=draft: masked NLL of the sampled response tokens,
+    a Monte-Carlo estimate of KL(policy || draft)) or the draft head (speculative=head: KL from the policy's
+    distributions at each of its spec_draft_tokens steps) online on every step's rollouts, so its drafts
+    follow the policy as it learns. The samples stay plain decoding's either way; only the acceptance rate
+    changes."""
     spec_draft_lr: float = 1e-4
-    """AdamW learning rate of the draft model's online training (constant; trainer.optim's other settings)."""
+    """AdamW learning rate of the draft's online training (constant; trainer.optim's other settings)."""
     spec_draft_train_epochs: int = 1
     """Optimizer steps of the draft per RL step, each over all of the step's samples."""
     spec_ngram_max: int = 3

@@ -31,6 +31,7 @@ from miles.evaluate import evaluate
 from miles.model_io import load_model
 from miles.resume import (
     DRAFT_DIR,
+    DRAFT_HEAD_DIR,
     RunState,
     config_changes,
     find_checkpoint,
@@ -182,11 +183,13 @@ def resume_run(
 def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[str, float]:
     from miles.rewards import RewardRunner
     from miles.rollout import Engine, SamplingParams
+    from miles.rollout.draft_head import load_head
     from miles.rollout.draft_model import load_draft_model
     from miles.rollout.multiturn import MultiTurnRollout
     from miles.trainer import TorchTrainer
     from miles.trainer.algorithms import compute_advantages
     from miles.trainer.backends import build_policy
+    from miles.trainer.draft_head_trainer import DraftHeadTrainer
     from miles.trainer.draft_trainer import DraftTrainer
     from miles.weight_sync import InProcessWeightSync
 
@@ -217,8 +220,12 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     trainer = TorchTrainer(
         policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
     )
-    draft, draft_trainer = None, None
-    if cfg.rollout.spec_draft_train:
+    draft, head, draft_trainer = None, None, None
+    if cfg.rollout.spec_draft_train and cfg.rollout.speculative == "head":
+        head = load_head(model, cfg.rollout)
+        dp.broadcast_module(head)
+        draft_trainer = DraftHeadTrainer(head, model, cfg.trainer, cfg.rollout, dp)
+    elif cfg.rollout.spec_draft_train:
         draft = load_draft_model(model, cfg.rollout)
         dp.broadcast_module(draft)
         draft_trainer = DraftTrainer(
@@ -228,7 +235,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     reserve = trainer.memory_reserve_bytes()
     if draft_trainer is not None:
         reserve += draft_trainer.memory_reserve_bytes()
-    engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=reserve, draft_model=draft)
+    engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=reserve, draft_model=draft, draft_head=head)
     generate, multiturn = engine.generate, None
     if cfg.rollout.generate_fn:
         spec = plugins.normalize(cfg.rollout.generate_fn, "rollout.generate_fn")
@@ -291,6 +298,13 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 resume_from[0],
                 resume_from[0] / DRAFT_DIR,
             )
+        elif (resume_from[0] / DRAFT_HEAD_DIR).is_dir():
+            log.warning(
+                "%s holds a trained draft head, which this run does not use (rollout.spec_draft_train is "
+                "off); to draft with it, set rollout.speculative=head rollout.spec_head=%s",
+                resume_from[0],
+                resume_from[0] / DRAFT_HEAD_DIR,
+            )
         if first_step > cfg.trainer.max_steps:
             raise MilesUserError(
                 f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -312,9 +326,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         def write(folder: Path) -> None:
             draft_state = None
             if draft_trainer is not None:
-                from miles.models import save_pretrained
-
-                save_pretrained(draft_trainer.model, folder / DRAFT_DIR)
+                draft_trainer.save_weights(folder)
                 draft_state = draft_trainer.state_dict()
             write_run_state(
                 folder,
@@ -385,15 +397,14 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 engine.release_memory()
                 own["time/kv_release"] = time.perf_counter() - t
             try:
+                if head is not None:  # from the hidden states of the policy that drew the samples
+                    _train_draft(draft_trainer, engine, samples, metrics, own)
                 if usable:
                     metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
                 else:
                     log.warning("step %d: no sample has a response; skipping the update", step)
-                if draft_trainer is not None:
-                    drafting = time.perf_counter()
-                    metrics.update(draft_trainer.train_step(samples))
-                    engine.draft_weights_changed()
-                    own["time/draft_train"] = time.perf_counter() - drafting
+                if draft_trainer is not None and head is None:
+                    _train_draft(draft_trainer, engine, samples, metrics, own)
             finally:
                 if releasing:
                     resumed = time.perf_counter()
@@ -442,19 +453,29 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     return last
 
 
+def _train_draft(
+    draft_trainer: Any, engine: Any, samples: list[Sample], metrics: dict[str, float], own: dict[str, float]
+) -> None:
+    """One RL step's update of the draft model or head (`time/draft_train`, not counted in `time/train`)."""
+    began = time.perf_counter()
+    metrics.update(draft_trainer.train_step(samples))
+    engine.draft_weights_changed()  # a draft model's cached keys and values are stale (a head caches none)
+    own["time/draft_train"] = time.perf_counter() - began
+
+
 def _check_draft_training(cfg: MilesConfig) -> None:
-    if cfg.rollout.speculative != "draft" or cfg.rollout.deterministic:
+    if cfg.rollout.speculative not in ("draft", "head") or cfg.rollout.deterministic:
         raise MilesUserError(
-            "rollout.spec_draft_train trains the draft model of rollout.speculative=draft (which deterministic "
-            f"mode turns off); got rollout.speculative={cfg.rollout.speculative}, rollout.deterministic="
-            f"{cfg.rollout.deterministic}"
+            "rollout.spec_draft_train trains the draft model of rollout.speculative=draft or the draft head of "
+            "rollout.speculative=head (which deterministic mode turns off); got rollout.speculative="
+            f"{cfg.rollout.speculative}, rollout.deterministic={cfg.rollout.deterministic}"
         )
     if cfg.trainer.tensor_parallel_size > 1:
         raise MilesUserError(
             "rollout.spec_draft_train is not supported with trainer.tensor_parallel_size > 1 yet (each rank "
             "would train the draft on its tensor-parallel group's samples); turn one of them off"
         )
-    if not cfg.rollout.spec_draft_model:
+    if cfg.rollout.speculative == "draft" and not cfg.rollout.spec_draft_model:
         raise MilesUserError(
             "rollout.spec_draft_train needs the draft to start from: set rollout.spec_draft_model"
         )
@@ -467,17 +488,16 @@ def _check_draft_training(cfg: MilesConfig) -> None:
 
 
 def resume_draft(folder: Path, state: RunState, draft_trainer: Any) -> None:
-    """Load the trained draft model and its optimizer state of a checkpoint; a checkpoint of a run that did
-    not train its draft leaves the draft as `rollout.spec_draft_model` loaded it."""
-    from miles.models.checkpoint import iter_hf_tensors, load_state_into
-
-    if state.draft is None or not (folder / DRAFT_DIR).is_dir():
+    """Load the trained draft (model or head) and its optimizer state of a checkpoint; a checkpoint of a run
+    that did not train this kind of draft leaves the draft as the run's settings loaded it."""
+    if state.draft is None or not (folder / draft_trainer.weights_dir).is_dir():
         log.warning(
-            "%s holds no trained draft model: the draft starts again from rollout.spec_draft_model", folder
+            "%s holds no trained draft of this kind (no %s/): the draft starts again from the run's settings",
+            folder,
+            draft_trainer.weights_dir,
         )
         return
-    with torch.no_grad():
-        load_state_into(draft_trainer.model, iter_hf_tensors(folder / DRAFT_DIR))
+    draft_trainer.load_weights(folder)
     draft_trainer.load_state_dict(state.draft)
 
 

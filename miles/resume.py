@@ -5,7 +5,7 @@ subfolder, what the run needs to go on as if it had never stopped: `trainer_stat
 optimizer's tensors and the torch RNG state) and `run_state.json` (the step, the optimizer's schedule
 position and hyper-parameters, the prompt loader's epoch, order and position, the engine's counter for
 unseeded requests, Python's RNG state, the run's config); a run that trains its draft model
-(`rollout.spec_draft_train`) adds the draft in `draft/` and its optimizer in
+(`rollout.spec_draft_train`) adds the draft in `draft/` (a draft head in `draft_head/`) and its optimizer in
 `resume/draft_trainer_state.safetensors`. A
 subfolder, so that tools which load every top-level `*.safetensors` of a model folder (ours included) see
 the model alone. Both are written before the folder is renamed into place, so a checkpoint is whole or
@@ -35,6 +35,8 @@ RUN_STATE = "run_state.json"
 DRAFT_TRAINER_STATE = "draft_trainer_state.safetensors"
 DRAFT_DIR = "draft"
 """A checkpoint's subfolder holding the online-trained draft model (Hugging Face format, no tokenizer)."""
+DRAFT_HEAD_DIR = "draft_head"
+"""A checkpoint's subfolder holding the online-trained draft head (miles/models/draft_head.py)."""
 _FORMAT = 1
 _RNG_KEY = "rng.torch"
 
@@ -58,7 +60,7 @@ class RunState:
     wandb_run_id: str | None = None
     """The W&B run the interrupted run logged to: the resumed run goes on logging to it."""
     draft: dict[str, Any] | None = None
-    """The draft model's `TorchTrainer.state_dict()` when the run trained it (`rollout.spec_draft_train`)."""
+    """The draft's trainer state when the run trained its draft model or head (`rollout.spec_draft_train`)."""
 
 
 def write_run_state(

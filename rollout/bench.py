@@ -404,13 +404,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="decode attention on tensor cores or CUDA cores (auto: tensor cores from 4 q heads per KV head)",
     )
     p.add_argument("--fused-kernels", default="auto", choices=["auto", "on", "off"])
-    p.add_argument("--speculative", default="off", choices=["off", "ngram", "draft"])
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "draft", "head"])
     p.add_argument("--spec-draft-tokens", type=int, default=4)
     p.add_argument(
         "--draft-model",
         default=None,
         help="--speculative draft: checkpoint path, preset (random weights of their own, so drafts are rarely "
         "accepted: the draft's cost alone) or `self` (the model drafts for itself: every draft right)",
+    )
+    p.add_argument(
+        "--draft-head",
+        default=None,
+        help="--speculative head: a trained head's folder (default: a new head, whose drafts are rarely "
+        "accepted: the head's cost alone)",
     )
     p.add_argument(
         "--overlap",
@@ -543,6 +549,8 @@ def main(argv: list[str]) -> int:
         fused_kernels=a.fused_kernels,
         speculative=a.speculative,
         spec_draft_tokens=a.spec_draft_tokens,
+        spec_head=a.draft_head,
+        spec_draft_train=a.speculative == "head" and not a.draft_head,  # (only quiets the untrained warning)
     )
     engine = Engine(model, None, cfg, draft_model=bench_draft_model(a, model, dtype, device))
     gen = torch.Generator().manual_seed(a.seed)
@@ -645,9 +653,11 @@ def main(argv: list[str]) -> int:
         "preemptions": stats.preemptions,
         "dropped_rows": stats.dropped_rows,
         "speculative": a.speculative,
+        "spec_draft_tokens": a.spec_draft_tokens if a.speculative != "off" else 0,
         "spec_accept_length": 1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0,
         "spec_draft_s": stats.spec_draft_s,
         "draft_model": a.draft_model if a.speculative == "draft" else None,
+        "draft_head": (a.draft_head or "new") if a.speculative == "head" else None,
         "kv_pool_tokens": engine.pool.capacity_tokens,
         "kv_virtual_memory": engine.pool.keeps_addresses,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) + engine.pool.bytes_outside_allocator

@@ -77,6 +77,8 @@ class _Graph:
     wrapper: object
     logits: torch.Tensor
     routing: torch.Tensor | None
+    hidden: torch.Tensor
+    """The final-norm hidden states the logits come from (a draft head reads them: draft_head.py)."""
 
 
 @dataclass
@@ -89,6 +91,7 @@ class _Pieces:
     """Per layer: the pool's (k, v) pages."""
     logits: torch.Tensor
     routing: torch.Tensor | None
+    hidden: torch.Tensor
 
 
 class _SplitAtAttention:
@@ -165,6 +168,8 @@ class CudaGraphRunner:
         self.sampler = SamplerGraphs(runner.pool.device)
         self.last_logits: torch.Tensor | None = None
         """The static logits buffer of the last replay, [bucket, V]."""
+        self.last_hidden: torch.Tensor | None = None
+        """The real rows of the last replay's static hidden-state buffer."""
 
     @property
     def verify_max_batch(self) -> int:
@@ -189,7 +194,7 @@ class CudaGraphRunner:
         self.pieces.clear()
         self.verify.clear()
         self.sampler.reset()
-        self.last_logits = None
+        self.last_logits = self.last_hidden = None
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sampler graph's draw where `logits` are the last replay's and every row takes the plain draw
@@ -245,8 +250,8 @@ class CudaGraphRunner:
             self._warm_up(bs, attn)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
-                logits, routing = self._forward(attn, self.ids[:bs], self.positions[:bs])
-            self.graphs[bs] = _Graph(graph, wrapper, logits, routing)
+                logits, routing, hidden = self._forward(attn, self.ids[:bs], self.positions[:bs])
+            self.graphs[bs] = _Graph(graph, wrapper, logits, routing, hidden)
             self.sampler.capture(logits, mempool, self.capture_stream)
         if self.verify_buckets:
             self._capture_verify(mempool)
@@ -268,8 +273,8 @@ class CudaGraphRunner:
             self._warm_up(bs, attn, self.verify_len)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=self.capture_stream):
-                logits, routing = self._forward(attn, self.v_ids[:n], self.v_positions[:n])
-            self.verify[bs] = _Graph(graph, wrapper, logits, routing)
+                logits, routing, hidden = self._forward(attn, self.v_ids[:n], self.v_positions[:n])
+            self.verify[bs] = _Graph(graph, wrapper, logits, routing, hidden)
             self.sampler.capture(logits, mempool, self.capture_stream)
 
     def _capture_pieces(self, bs: int, mempool: tuple[int, int]) -> _Pieces:
@@ -282,7 +287,7 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             split.begin()
             try:
-                logits, routing = self._forward(split, self.ids[:bs], self.positions[:bs])
+                logits, routing, hidden = self._forward(split, self.ids[:bs], self.positions[:bs])
                 split.end()  # the last piece: from the last attention to the logits
             except BaseException:
                 if torch.cuda.is_current_stream_capturing():  # leave the stream usable, keep the first error
@@ -295,17 +300,17 @@ class CudaGraphRunner:
         num_layers = model.args.num_hidden_layers
         assert len(split.graphs) == num_layers + 1, "a layer did not attend exactly once"
         caches = [(pool.k_layer(i), pool.v_layer(i)) for i in range(num_layers)]
-        return _Pieces(split.graphs, split.query, caches, logits, routing)
+        return _Pieces(split.graphs, split.query, caches, logits, routing, hidden)
 
     def _forward(
         self, attn: FlashinferAttention | _SplitAtAttention, ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         runner = self.runner
         trace = runner.new_trace()
         if trace is not None:
             trace.valid_rows = self.valid_rows
         out = runner.model.forward_packed(ids, positions, attn, trace)
-        return runner.model.compute_logits(out.hidden), out.routing
+        return runner.model.compute_logits(out.hidden), out.routing, out.hidden
 
     def _warm_up(self, bs: int, attn: FlashinferAttention, q_len: int = 1) -> None:
         """Two eager forwards on a side stream (compiles, autotunes, allocates) before a capture, attention
@@ -338,7 +343,7 @@ class CudaGraphRunner:
         indptr, indices, last = self._page_table(batch, bs, 1)
         self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last)  # type: ignore[union-attr]
         entry.graph.replay()
-        self.last_logits = entry.logits
+        self.last_logits, self.last_hidden = entry.logits, entry.hidden[:real]
         routing = entry.routing[:, :real] if entry.routing is not None else None
         return entry.logits[:real], routing
 
@@ -351,7 +356,7 @@ class CudaGraphRunner:
         indptr, indices, last = self._page_table(batch, bs, length)
         self.runner.flashinfer.plan(entry.wrapper, indptr, indices, last, q_len_per_req=length)  # type: ignore[union-attr]
         entry.graph.replay()
-        self.last_logits = entry.logits
+        self.last_logits, self.last_hidden = entry.logits, entry.hidden[:rows]
         routing = entry.routing[:, :rows] if entry.routing is not None else None
         return entry.logits[:rows], routing
 
@@ -370,7 +375,7 @@ class CudaGraphRunner:
             graph.replay()
             run(q, cache, out=out)
         pieces.graphs[-1].replay()
-        self.last_logits = pieces.logits
+        self.last_logits, self.last_hidden = pieces.logits, pieces.hidden[:real]
         routing = pieces.routing[:, :real] if pieces.routing is not None else None
         return pieces.logits[:real], routing
 

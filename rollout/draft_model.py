@@ -7,11 +7,7 @@ verify step kept), in chunks of at most `max_batch_tokens`, then run k - 1 decod
 Positions it computed for drafts the target rejected are simply written again: the cache of a sequence is
 valid up to the first token that differs from the request's.
 
-Each draft token is drawn with the uniform number plain decoding uses at that response position and the
-request's own sampling settings (sampling.py), from the draft's distribution. Verification keeps the
-target's draws, so the samples stay exactly plain decoding's whatever the draft; sharing the random number
-couples the two inverse-CDF draws, so a draft whose distribution is close to the target's proposes the very
-token the target then samples, at any temperature, not only under greedy decoding.
+Draft tokens are drawn as draft_draws.py says, coupled to plain decoding's draws.
 
 Drafting is optional per request: a request whose sequence the draft pool cannot hold this step, or that
 is past the draft model's context, gets no draft and decodes one token as without speculation.
@@ -19,22 +15,20 @@ is past the draft model's context, gets no draft and decodes one token as withou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from miles.config import RolloutConfig
-from miles.models import fused
 from miles.models.checkpoint import from_pretrained
 from miles.models.model import CausalLM
+from miles.rollout.draft_draws import DraftDraws
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
 from miles.rollout.kv_pool import KVPool, RequestTable
 from miles.rollout.model_runner import ModelRunner
 from miles.rollout.request import Request
-from miles.rollout.sampler_graph import sample_rows
-from miles.rollout.sampling import SamplingTensors, mix_seeds, uniforms_of_mixed
 
 
 def load_draft_model(model: CausalLM, cfg: RolloutConfig, draft: CausalLM | None = None) -> CausalLM:
@@ -259,7 +253,13 @@ class DraftModel:
         if not work:
             return drafts
         self._allocate(work, needs)
-        draws = _Draws(work, self.model.args.vocab_size, self.device, self.runner)
+        draws = DraftDraws(
+            [w.req for w in work],
+            self.model.args.vocab_size,
+            self.device,
+            self.runner.fused_kernels,
+            self.runner.graphs,
+        )
         # Every draft token stays on the device until all are drawn: one read for the whole proposal.
         column = self._catch_up(work, draws)
         columns = [column]
@@ -298,7 +298,7 @@ class DraftModel:
         for seq, need in grow:
             seq.slots += need
 
-    def _catch_up(self, work: list[_Work], draws: _Draws) -> torch.Tensor:
+    def _catch_up(self, work: list[_Work], draws: DraftDraws) -> torch.Tensor:
         """Feed each request's tokens from its `start` to its last; returns the first draft token of each
         (drawn from its last token's logits), on the device. Where the draft's decode steps replay CUDA
         graphs, the few tokens a verify step kept are fed as decode steps (one graph replay per token, where
@@ -319,7 +319,7 @@ class DraftModel:
             return slice(None)
         return host_to_device(np.asarray(picked, dtype=np.int64), self.device)
 
-    def _catch_up_by_decoding(self, work: list[_Work], picked: list[int], draws: _Draws) -> torch.Tensor:
+    def _catch_up_by_decoding(self, work: list[_Work], picked: list[int], draws: DraftDraws) -> torch.Tensor:
         """Decode steps over the picked requests' new tokens, aligned to end together: step r feeds the
         requests with at least `rounds - r` tokens left. Only the last step's logits are drawn from."""
         left = {j: work[j].req.seq_len - work[j].start for j in picked}
@@ -342,7 +342,7 @@ class DraftModel:
             seq.agreed = end
         return draws.sample(logits, picked, 0)
 
-    def _catch_up_in_chunks(self, work: list[_Work], picked: list[int], draws: _Draws) -> torch.Tensor:
+    def _catch_up_in_chunks(self, work: list[_Work], picked: list[int], draws: DraftDraws) -> torch.Tensor:
         """Forwards of at most max_batch_tokens over the picked requests' tokens from their `start`."""
         first = torch.zeros(len(picked), dtype=torch.long, device=self.device)
         todo = [(p, work[j].start) for p, j in enumerate(picked)]
@@ -416,44 +416,3 @@ class DraftModel:
             batch.input_ids = input_ids.clamp(max=self.model.args.vocab_size - 1)
         logits, _ = self.runner.forward(batch)
         return logits
-
-
-class _Draws:
-    """The sampling settings of one proposal's requests, built once: each draw takes a subset of them and
-    the uniform numbers plain decoding uses at its response positions."""
-
-    def __init__(self, work: list[_Work], vocab_size: int, device: torch.device, runner: ModelRunner) -> None:
-        params = [w.req.params for w in work]
-        self.work, self.device, self.runner = work, device, runner
-        self.made = self.graphed = 0
-        """Draws made, and those that replayed the draft's sampler graph (sampler_graph.py)."""
-        self.mixed = mix_seeds([w.req.seed for w in work])
-        self.outputs = np.fromiter((len(w.req.output_ids) for w in work), np.uint64, len(work))
-        self.settings = SamplingTensors.build(
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-            np.zeros(len(work)),
-            vocab_size,
-            device,
-        )
-
-    def sample(self, logits: torch.Tensor, picked: list[int], offset: int) -> torch.Tensor:
-        """Tokens of `logits` row i for request work[picked[i]] at response position len(output) + offset."""
-        self.made += 1
-        index = np.asarray(picked, dtype=np.int64)
-        uniform = uniforms_of_mixed(self.mixed[index], self.outputs[index] + np.uint64(offset))
-        rows = (
-            self.settings
-            if len(picked) == len(self.work)
-            else self.settings.rows(host_to_device(index, self.device))
-        )
-        rows = replace(rows, uniform=host_to_device(uniform, self.device))
-        # As the engine samples: on a decode graph's logits a plain draw replays the sampler graph captured
-        # with it (one launch where the eager sampler makes ~30, the same kernels, so the same tokens), and
-        # on CUDA draws that need [rows, vocab] temporaries go in blocks of rows.
-        with fused.fused_kernels(self.runner.fused_kernels):
-            tokens, _, graphed = sample_rows(logits, rows, self.runner.graphs)
-        self.graphed += graphed
-        return tokens

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from miles.config import RolloutConfig
 from miles.models import fused
 from miles.models.checkpoint import from_pretrained
+from miles.models.draft_head import DraftHead
 from miles.models.model import CausalLM
 from miles.rollout import virtual_memory
 from miles.rollout.attention_flashinfer import check_decode_kernel
+from miles.rollout.draft_head import DraftHeadProposer, load_head
 from miles.rollout.draft_model import DraftModel, load_draft_model
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
@@ -138,6 +140,8 @@ class _Launched:
     alternatives: tuple[list[int], torch.Tensor] | None = None
     """The sample rows of requests that asked for `top_logprobs`, and [2, rows, count] float64 ids and
     logprobs of their most likely tokens (in host memory on CUDA, copied behind the step)."""
+    hidden: torch.Tensor | None = None
+    """[S, hidden] the sample rows' final-norm hidden states, in `sampled` order (kept for a draft head)."""
 
 
 class Engine:
@@ -148,14 +152,18 @@ class Engine:
         cfg: RolloutConfig,
         reserve_bytes: int = 0,
         draft_model: CausalLM | None = None,
+        draft_head: DraftHead | None = None,
     ) -> None:
         """`reserve_bytes`: device memory that others will allocate later (a colocated trainer's optimizer
         state and gradients), left out of the free memory the KV pool takes its fraction of (GPU).
         `draft_model`: the model proposing drafts with `rollout.speculative=draft` (else loaded from
-        `rollout.spec_draft_model`)."""
+        `rollout.spec_draft_model`); `draft_head`: the head proposing them with `rollout.speculative=head`
+        (else `rollout.spec_head`, or a new one)."""
         self._reserve_bytes = max(0, int(reserve_bytes))
-        if cfg.speculative not in ("off", "ngram", "draft"):
-            raise ValueError(f"rollout.speculative must be off, ngram or draft, got {cfg.speculative!r}")
+        if cfg.speculative not in ("off", "ngram", "draft", "head"):
+            raise ValueError(
+                f"rollout.speculative must be off, ngram, draft or head, got {cfg.speculative!r}"
+            )
         if cfg.page_size < 1:
             raise ValueError(f"rollout.page_size must be >= 1, got {cfg.page_size}")
         if cfg.cuda_graph_piecewise_min_batch < 0:
@@ -236,6 +244,14 @@ class Engine:
         self.drafter: DraftModel | None = None
         if draft is not None and draft_layout is not None:
             self.drafter = self._build_drafter(draft, draft_layout, graph_batch)
+        self.head_drafter: DraftHeadProposer | None = None
+        if spec_mode == "head":
+            head = load_head(model, cfg, draft_head)
+            self.head_drafter = DraftHeadProposer(head, model, self._use_fused_kernels(cfg))
+        self._head_rows: dict[int, int] = {}
+        """Request id -> the row of `_head_hidden` its last token was sampled from (the last step's requests)."""
+        self._head_hidden: torch.Tensor | None = None
+        """The last resolved step's sample rows' hidden states (`_Launched.hidden`), for the draft head."""
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
@@ -651,6 +667,8 @@ class Engine:
         if self.drafter is not None:
             for (req, _), draft in zip(wanted, self._draft_model_proposals(wanted)):
                 req.draft = draft
+        elif self.head_drafter is not None:
+            self._draft_head_proposals(wanted)
         else:
             for req, k in wanted:
                 index = req.ngram
@@ -687,6 +705,34 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             return [[] for _ in wanted]
+
+    def _draft_head_proposals(self, wanted: list[tuple[Request, int]]) -> None:
+        """The draft head's drafts, for the requests of `wanted` that were in the last step (the others have
+        no hidden state to start from); none when it runs out of device memory."""
+        assert self.head_drafter is not None
+        rows, hidden = self._head_rows, self._head_hidden
+        picked = [(req, k) for req, k in wanted if req.rid in rows]
+        if not picked or hidden is None:
+            return
+        try:
+            drafts = self.head_drafter.propose(
+                [req for req, _ in picked],
+                [k for _, k in picked],
+                hidden,
+                [rows[req.rid] for req, _ in picked],
+            )
+        except torch.cuda.OutOfMemoryError as err:
+            if not self._warned_draft_oom:
+                log.warning(
+                    "the draft head ran out of device memory (%s); this step decodes without drafts",
+                    str(err).split(". ")[0],
+                )
+                self._warned_draft_oom = True
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        for (req, _), draft in zip(picked, drafts):
+            req.draft = draft
 
     def _runnable_drafts(self, wanted: list[tuple[Request, int]], uniform: bool) -> list[tuple[Request, int]]:
         """The drafts the next step can verify. The scheduler drops every draft of a step whose decode rows
@@ -736,12 +782,18 @@ class Engine:
                     req.spec_accepted_tokens = 0
         self.flush_cache()
         load_weights(self.model, weights)
+        self._head_rows, self._head_hidden = {}, None  # hidden states of the old weights
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
     @property
     def draft_model(self) -> CausalLM | None:
         """The model proposing drafts (`rollout.speculative=draft`), else None."""
         return self.drafter.model if self.drafter is not None else None
+
+    @property
+    def draft_head(self) -> DraftHead | None:
+        """The head proposing drafts (`rollout.speculative=head`), else None."""
+        return self.head_drafter.head if self.head_drafter is not None else None
 
     def draft_weights_changed(self) -> None:
         """Drop the draft model's cached keys and values after its weights changed (trained in place): every
@@ -769,6 +821,7 @@ class Engine:
         self.pool.release()
         if self.drafter is not None:
             self.drafter.release()
+        self._head_rows, self._head_hidden = {}, None  # retracted: each starts again from its prefill
         self._released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -887,6 +940,7 @@ class Engine:
             batch = self._build_batch(chunks)
         s.peak_used_tokens = max(s.peak_used_tokens, self.kv.used_tokens())
         logits, routing = self.runner.forward(batch)
+        hidden = self.runner.last_hidden if self.head_drafter is not None else None
         if routing is not None and self.pool.routing is not None:
             self.pool.routing[batch.out_slots] = (
                 routing[:, : batch.num_tokens].permute(1, 0, 2).to(torch.int16)
@@ -897,7 +951,7 @@ class Engine:
         fork_reqs = [req for req, _ in forks]
         counts = (batch.num_tokens, sum(batch.kv_lens))
         if not sampled:
-            return _Launched(chunks, extend, sampled, fork_reqs, *counts, None, None, None)
+            return _Launched(chunks, extend, sampled, fork_reqs, *counts, None, None, None, hidden=hidden)
         if plain_decode:
             reqs, offsets = [c.req for c in chunks], None
         else:
@@ -909,7 +963,10 @@ class Engine:
                 first_row[c.req.rid] = row
                 row += c.sample_rows
             leader_rows = [first_row[leader.rid] for _, leader in forks]
-            logits = torch.cat((logits, logits[host_to_device(torch.tensor(leader_rows), self.device)]))
+            leaders = host_to_device(torch.tensor(leader_rows), self.device)
+            logits = torch.cat((logits, logits[leaders]))
+            if hidden is not None:
+                hidden = torch.cat((hidden, hidden[leaders]))
             sampled = sampled + [Chunk(req, len(req.prompt_ids), 0, True) for req in fork_reqs]
             reqs = reqs + fork_reqs
             if offsets is not None:
@@ -918,7 +975,9 @@ class Engine:
         alternatives = self._alternatives(logits, reqs)
         if self.device.type != "cuda":  # read by `tolist` at once: no [2, S] float64 copy to make
             host = (tokens, logprobs)
-            return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, alternatives)
+            return _Launched(
+                chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, alternatives, hidden
+            )
         values = torch.stack([tokens.double(), logprobs.double()])
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
@@ -928,7 +987,9 @@ class Engine:
             alternatives = (alternatives[0], pinned)
         done = torch.cuda.Event()
         done.record()
-        return _Launched(chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, alternatives)
+        return _Launched(
+            chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, alternatives, hidden
+        )
 
     def _alternatives(
         self, logits: torch.Tensor, reqs: list[Request]
@@ -1018,6 +1079,7 @@ class Engine:
         row = plain = 0
         eos_ids, max_context, tokenizer = self.eos_ids, self.max_context, self.tokenizer
         pending = SampleStatus.PENDING
+        head_rows: dict[int, int] | None = {} if step.hidden is not None else None
         for c in step.sampled:
             req, first = c.req, row
             row += 1 + len(c.draft)  # its sample rows
@@ -1025,6 +1087,7 @@ class Engine:
                 self.stats.dropped_rows += 1  # finished before this row's token was read
                 continue
             req.pending_index = -1
+            before = len(req.output_ids)  # with the placeholder
             if c.draft:
                 status = self._accept(req, c.draft, tokens[first:row], logprobs[first:row], cuts)
             else:
@@ -1044,6 +1107,10 @@ class Engine:
                     status = None
             if status is not None:
                 finished.append(self._finish(req, status))
+            elif head_rows is not None:  # the row its last kept token was sampled from
+                head_rows[req.rid] = first + len(req.output_ids) - before
+        if head_rows is not None:
+            self._head_rows, self._head_hidden = head_rows, step.hidden
         self.stats.output_tokens += plain
         self.kv.truncate(cuts)
         return finished

@@ -102,6 +102,9 @@ class ModelRunner:
         # Whether the C decode kernel has code for these decodes (cpu_attention.py).
         self.cpu_kernel = cpu_torch and cpu_attention.applies(lay.dtype, pool.device, q_per_kv, lay.head_dim)
         self.graphs = None
+        self.last_hidden: torch.Tensor | None = None
+        """[S, hidden] final-norm hidden states of the last forward's sampling rows (what a draft head reads;
+        a CUDA graph's static buffer, valid until the next forward)."""
         if cuda_graph_max_batch > 0 and self.flashinfer is not None and not deterministic:
             from miles.rollout.cuda_graph import CudaGraphRunner
 
@@ -128,7 +131,9 @@ class ModelRunner:
             return self._forward_deterministic(batch)
         if self.graphs is not None and self.graphs.fits(batch):
             try:
-                return self.graphs.replay(batch)
+                logits, routing = self.graphs.replay(batch)
+                self.last_hidden = self.graphs.last_hidden
+                return logits, routing
             except torch.cuda.OutOfMemoryError as err:
                 # Capture needs memory beside the KV pool; without it decode runs eagerly, slower but on.
                 log.warning(
@@ -144,6 +149,7 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.context(batch), self.new_trace()
         )
         hidden = out.hidden if batch.every_token_samples else out.hidden[batch.sample_index]
+        self.last_hidden = hidden
         return self.model.compute_logits(hidden), out.routing
 
     def release(self, keep_graphs: bool = False) -> None:
@@ -176,7 +182,7 @@ class ModelRunner:
                 hidden.append(out.hidden)
                 if out.routing is not None:
                     routing.append(out.routing)
-        picked = torch.cat(hidden)[batch.sample_index]
+        picked = self.last_hidden = torch.cat(hidden)[batch.sample_index]
         num = picked.shape[0]
         picked = F.pad(picked, (0, 0, 0, (-num) % chunk))
         logits = [self.model.compute_logits(picked[s : s + chunk]) for s in range(0, picked.shape[0], chunk)]

@@ -12,7 +12,7 @@ from rollout_helpers import assert_pool_clean, tiny_model
 from test_rollout_engine import PROMPTS, assert_same_samples, config, kv_bytes
 
 from miles.models import CausalLM, save_pretrained
-from miles.rollout import draft_model
+from miles.rollout import draft_draws, draft_model
 from miles.rollout.engine import Engine
 from miles.rollout.kv_pool import KVLayout
 from miles.rollout.params import SamplingParams
@@ -101,12 +101,12 @@ def test_draft_draws_share_plain_decodings_random_numbers(monkeypatch: pytest.Mo
     coupled = engine.metrics()
     assert coupled["rollout/spec_accepted_tokens"] >= 0.95 * coupled["rollout/spec_draft_tokens"]
     assert coupled["rollout/spec_accept_length"] > 4.0
-    shifted = draft_model.uniforms_of_mixed
+    shifted = draft_draws.uniforms_of_mixed
 
     def other_numbers(mixed, positions):  # noqa: ANN001, ANN202
         return (shifted(mixed, positions) + 0.5) % 1.0
 
-    monkeypatch.setattr(draft_model, "uniforms_of_mixed", other_numbers)
+    monkeypatch.setattr(draft_draws, "uniforms_of_mixed", other_numbers)
     got, engine = draft_run(model, copy.deepcopy(model), PROMPTS, params)
     assert_same_samples(got, plain)
     independent = engine.metrics()
@@ -187,7 +187,7 @@ def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None: 
     model = tiny_model(seed=0)
     with pytest.raises(ValueError, match="spec_draft_model"):
         Engine(model, None, config(speculative="draft"))
-    with pytest.raises(ValueError, match="off, ngram or draft"):
+    with pytest.raises(ValueError, match="off, ngram, draft or head"):
         Engine(model, None, config(speculative="eagle"))
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(model, None, config(speculative="draft"), draft_model=tiny_model(seed=0, vocab_size=100))

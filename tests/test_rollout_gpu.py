@@ -14,7 +14,7 @@ import pytest
 import torch
 from rollout_helpers import tiny_model
 
-from miles.config import RolloutConfig
+from miles.config import RolloutConfig, TrainerConfig
 from miles.models import CausalLM, ModelArgs, fused_norm_rope
 from miles.models.moe import Experts
 from miles.rollout import Engine, SamplingParams
@@ -463,26 +463,36 @@ def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int, moe
     assert_agree_until_near_tie(model, plain, eager, logprob_tol=0.05, near_tie=0.5 if moe else NEAR_TIE)
 
 
-def generate_counting_graphs(
-    engine: Engine, params: SamplingParams
-) -> tuple[list[Sample], list[int], list[int]]:
-    """Samples, and the batch sizes of the verify graphs and of the draft model's decode graphs replayed."""
-    assert engine.drafter is not None
-    graphs, draft_graphs = engine.runner.graphs, engine.drafter.runner.graphs
-    assert graphs is not None and draft_graphs is not None
+def count_verify_graphs(engine: Engine) -> list[int]:
+    """The batch sizes of the verify graphs the engine replays from now on, as they replay."""
+    graphs = engine.runner.graphs
+    assert graphs is not None
     verified: list[int] = []
-    drafted: list[int] = []
-    replay_verify, replay_draft = graphs._replay_verify, draft_graphs.replay
+    replay_verify = graphs._replay_verify
 
     def counting_verify(batch: object) -> object:
         verified.append(batch.batch_size)  # type: ignore[attr-defined]
         return replay_verify(batch)  # type: ignore[arg-type]
 
+    graphs._replay_verify = counting_verify  # type: ignore[method-assign]
+    return verified
+
+
+def generate_counting_graphs(
+    engine: Engine, params: SamplingParams
+) -> tuple[list[Sample], list[int], list[int]]:
+    """Samples, and the batch sizes of the verify graphs and of the draft model's decode graphs replayed."""
+    assert engine.drafter is not None
+    draft_graphs = engine.drafter.runner.graphs
+    assert draft_graphs is not None
+    verified = count_verify_graphs(engine)
+    drafted: list[int] = []
+    replay_draft = draft_graphs.replay
+
     def counting_draft(batch: object) -> object:
         drafted.append(batch.batch_size)  # type: ignore[attr-defined]
         return replay_draft(batch)  # type: ignore[arg-type]
 
-    graphs._replay_verify = counting_verify  # type: ignore[method-assign]
     draft_graphs.replay = counting_draft  # type: ignore[method-assign]
     return engine.generate(PROMPTS, params), verified, drafted
 
@@ -521,6 +531,43 @@ def test_draft_model_speculation_on_cuda_matches_plain_decoding(draft_kind: str)
         if params.temperature == 0.0:
             assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
         else:  # the same draws: tokens agree unless bf16 rounding moves a draw across a token boundary
+            same = sum(a.response_ids == b.response_ids for a, b in zip(plain, spec))
+            assert same >= len(plain) // 2, [(a.response_ids, b.response_ids) for a, b in zip(plain, spec)]
+
+
+def test_draft_head_speculation_on_cuda_matches_plain_decoding() -> None:
+    """A draft head (rollout.speculative=head) on the GPU, trained there on the model's own samples (bf16 head
+    with float32 masters, flash varlen attention for the policy's hidden states): verify steps replay the
+    verify graphs, whose hidden-state buffers the head starts from, greedy drafts are accepted, and the tokens
+    are plain decoding's until a near-tie."""
+    from miles.models.draft_head import new_draft_head
+    from miles.trainer.draft_head_trainer import DraftHeadTrainer
+
+    model = gpu_model(moe=False, seed=7)
+    cfg = config(backend="flashinfer", cuda_graph=True)
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3)
+    for params in (GREEDY.with_(n=2, max_new_tokens=32), sampled):
+        plain = Engine(model, None, cfg).generate(PROMPTS, params)
+        head = new_draft_head(model.args, 0, model.dtype, model.device, seed=1)
+        spec_cfg = replace(cfg, speculative="head", spec_draft_tokens=3, spec_draft_train=True)
+        trainer = DraftHeadTrainer(
+            head, model, TrainerConfig(), replace(spec_cfg, spec_draft_lr=3e-3, spec_draft_train_epochs=40)
+        )
+        assert trainer.masters is not None
+        metrics = trainer.train_step(plain)
+        assert metrics["draft/loss_last_epoch"] < 0.5 * metrics["draft/loss"], metrics
+        engine = Engine(model, None, spec_cfg, draft_head=head.eval())
+        assert engine.runner.graphs is not None and engine.runner.graphs.verify_len == 4
+        verified = count_verify_graphs(engine)
+        spec = engine.generate(PROMPTS, params)
+        m = engine.metrics()
+        assert verified, m
+        if (
+            params.temperature == 0.0
+        ):  # (a random bf16 model's flat distributions rarely agree at temperature 1)
+            assert m["rollout/spec_accepted_tokens"] > 0.1 * m["rollout/spec_proposed_tokens"], m
+            assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
+        else:
             same = sum(a.response_ids == b.response_ids for a, b in zip(plain, spec))
             assert same >= len(plain) // 2, [(a.response_ids, b.response_ids) for a, b in zip(plain, spec)]
 

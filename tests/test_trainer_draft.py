@@ -40,14 +40,10 @@ def _config(**rollout: object) -> MilesConfig:
     cfg.model.path = "builtin:tiny_moe_math"
     cfg.model.device = "cpu"
     cfg.data.train_size, cfg.data.test_size = 64, 8
-    cfg.rollout = replace(
-        cfg.rollout,
-        speculative="draft",
-        spec_draft_train=True,
-        max_new_tokens=24,
-        kv_cache_bytes=4 * 1024 * 1024,
-        **rollout,
+    settings: dict[str, object] = dict(
+        speculative="draft", spec_draft_train=True, max_new_tokens=24, kv_cache_bytes=4 * 1024 * 1024
     )
+    cfg.rollout = replace(cfg.rollout, **{**settings, **rollout})  # type: ignore[arg-type]
     return cfg
 
 

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from miles.distributed import SINGLE, DataParallel
+from miles.models.checkpoint import iter_hf_tensors, load_state_into, save_pretrained
 from miles.models.model import CausalLM
+from miles.resume import DRAFT_DIR
 from miles.sample import Sample, SampleStatus
 from miles.trainer.packing import response_loss_mask
 from miles.trainer.torch_trainer import TorchTrainer
@@ -51,6 +56,9 @@ def check_draft_settings(rollout: RolloutConfig) -> None:
 
 
 class DraftTrainer:
+    weights_dir = DRAFT_DIR
+    """A checkpoint's subfolder holding the trained draft."""
+
     def __init__(
         self,
         draft: CausalLM,
@@ -137,6 +145,13 @@ class DraftTrainer:
             }
         )
         return metrics
+
+    def save_weights(self, checkpoint: Path) -> None:
+        save_pretrained(self.model, checkpoint / self.weights_dir)
+
+    def load_weights(self, checkpoint: Path) -> None:
+        with torch.no_grad():
+            load_state_into(self.model, iter_hf_tensors(checkpoint / self.weights_dir))
 
     def state_dict(self) -> dict[str, Any]:
         return self.trainer.state_dict()
