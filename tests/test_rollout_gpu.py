@@ -439,16 +439,8 @@ def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int, moe
     cfg = config(backend="flashinfer", cuda_graph=True, page_size=page_size, record_routing=moe)
     plain = Engine(model, None, cfg).generate(PROMPTS, params)
     engine = Engine(model, None, replace(cfg, speculative="ngram", spec_draft_tokens=3))
-    graphs = engine.runner.graphs
-    assert graphs is not None and graphs.verify_len == 4
-    replayed: list[int] = []
-    replay_verify = graphs._replay_verify
-
-    def counting(batch: object) -> object:
-        replayed.append(batch.batch_size)  # type: ignore[attr-defined]
-        return replay_verify(batch)  # type: ignore[arg-type]
-
-    graphs._replay_verify = counting  # type: ignore[method-assign]
+    assert engine.runner.graphs is not None and engine.runner.graphs.verify_len == 4
+    replayed = count_verify_graphs(engine)
     spec = engine.generate(PROMPTS, params)
     metrics = engine.metrics()
     # Every verify step replayed a graph: 3 drafts (padded) per request and step, all through one.
@@ -463,37 +455,32 @@ def test_speculative_decoding_on_cuda_matches_plain_decoding(page_size: int, moe
     assert_agree_until_near_tie(model, plain, eager, logprob_tol=0.05, near_tie=0.5 if moe else NEAR_TIE)
 
 
+def count_replays(graphs: object, method: str) -> list[int]:
+    """The batch sizes `graphs.<method>(batch)` replays from now on (a graph runner's replay method)."""
+    sizes: list[int] = []
+    replay = getattr(graphs, method)
+
+    def counting(batch: object) -> object:
+        sizes.append(batch.batch_size)  # type: ignore[attr-defined]
+        return replay(batch)
+
+    setattr(graphs, method, counting)
+    return sizes
+
+
 def count_verify_graphs(engine: Engine) -> list[int]:
-    """The batch sizes of the verify graphs the engine replays from now on, as they replay."""
-    graphs = engine.runner.graphs
-    assert graphs is not None
-    verified: list[int] = []
-    replay_verify = graphs._replay_verify
-
-    def counting_verify(batch: object) -> object:
-        verified.append(batch.batch_size)  # type: ignore[attr-defined]
-        return replay_verify(batch)  # type: ignore[arg-type]
-
-    graphs._replay_verify = counting_verify  # type: ignore[method-assign]
-    return verified
+    """The batch sizes of the verify graphs the engine replays from now on."""
+    assert engine.runner.graphs is not None
+    return count_replays(engine.runner.graphs, "_replay_verify")
 
 
 def generate_counting_graphs(
     engine: Engine, params: SamplingParams
 ) -> tuple[list[Sample], list[int], list[int]]:
     """Samples, and the batch sizes of the verify graphs and of the draft model's decode graphs replayed."""
-    assert engine.drafter is not None
-    draft_graphs = engine.drafter.runner.graphs
-    assert draft_graphs is not None
+    assert engine.drafter is not None and engine.drafter.runner.graphs is not None
     verified = count_verify_graphs(engine)
-    drafted: list[int] = []
-    replay_draft = draft_graphs.replay
-
-    def counting_draft(batch: object) -> object:
-        drafted.append(batch.batch_size)  # type: ignore[attr-defined]
-        return replay_draft(batch)  # type: ignore[arg-type]
-
-    draft_graphs.replay = counting_draft  # type: ignore[method-assign]
+    drafted = count_replays(engine.drafter.runner.graphs, "replay")
     return engine.generate(PROMPTS, params), verified, drafted
 
 

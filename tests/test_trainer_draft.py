@@ -5,8 +5,10 @@ decoding's; a run checkpoints and resumes the trained draft."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,14 +54,22 @@ def _accepted(engine: Engine) -> float:
     return metrics["rollout/spec_accepted_tokens"] / metrics["rollout/spec_proposed_tokens"]
 
 
-def test_a_trained_draft_is_accepted_more_and_the_samples_do_not_change() -> None:
-    """A random draft trained on the policy's samples: its NLL of them falls, the share of its drafts the
-    policy accepts on the same prompts rises several-fold, and the samples are plain decoding's throughout."""
-    cfg = _config(spec_draft_lr=3e-3, spec_draft_train_epochs=30)
-    inputs = prepare_inputs(cfg)
-    draft = load_model("init:qwen3:tiny", device="cpu", seed=1).model
-    trainer = DraftTrainer(draft, inputs.model.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm)
-    engine = Engine(inputs.model, inputs.tokenizer, cfg.rollout, draft_model=draft)
+@dataclass
+class TrainedBetween:
+    expected: list[Sample]
+    """Plain decoding's samples of the prompts."""
+    before: list[Sample]
+    after: list[Sample]
+    metrics: dict[str, float]
+    accepted: tuple[float, float, float]
+    """Shares of drafts accepted before training, after it on the same prompts, and on others."""
+
+
+def train_between_generations(
+    cfg: MilesConfig, inputs: Any, engine: Engine, train: Callable[[list[Sample]], dict[str, float]]
+) -> TrainedBetween:
+    """Generate 8 prompts x n = 4 at temperature 1, train the draft on those samples, generate them again
+    and 8 other prompts, against plain decoding's samples of the first 8."""
     plain = Engine(inputs.model, inputs.tokenizer, replace(cfg.rollout, speculative="off"))
     prompts = inputs.train_prompts[:8]
     params = SamplingParams(
@@ -68,12 +78,27 @@ def test_a_trained_draft_is_accepted_more_and_the_samples_do_not_change() -> Non
     expected = plain.generate(prompts, params)
     before = engine.generate(prompts, params)
     accepted_before = _accepted(engine)
-    metrics = trainer.train_step(before)
+    metrics = train(before)
     engine.draft_weights_changed()
     after = engine.generate(prompts, params)
     accepted_after = _accepted(engine)
     engine.generate(inputs.train_prompts[8:16], params)  # prompts it was not trained on
-    accepted_unseen = _accepted(engine)
+    return TrainedBetween(
+        expected, before, after, metrics, (accepted_before, accepted_after, _accepted(engine))
+    )
+
+
+def test_a_trained_draft_is_accepted_more_and_the_samples_do_not_change() -> None:
+    """A random draft trained on the policy's samples: its NLL of them falls, the share of its drafts the
+    policy accepts on the same prompts rises several-fold, and the samples are plain decoding's throughout."""
+    cfg = _config(spec_draft_lr=3e-3, spec_draft_train_epochs=30)
+    inputs = prepare_inputs(cfg)
+    draft = load_model("init:qwen3:tiny", device="cpu", seed=1).model
+    trainer = DraftTrainer(draft, inputs.model.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm)
+    engine = Engine(inputs.model, inputs.tokenizer, cfg.rollout, draft_model=draft)
+    run = train_between_generations(cfg, inputs, engine, trainer.train_step)
+    expected, before, after, metrics = run.expected, run.before, run.after, run.metrics
+    accepted_before, accepted_after, accepted_unseen = run.accepted
 
     for samples in (before, after):
         assert [s.response_ids for s in samples] == [s.response_ids for s in expected]

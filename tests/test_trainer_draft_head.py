@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from test_loop import run_miles
-from test_trainer_draft import _accepted, _config
+from test_trainer_draft import _config, train_between_generations
 
 from miles.config import RolloutConfig, TrainerConfig
 from miles.loop import prepare_inputs
 from miles.models.attention import VarlenAttention
 from miles.models.draft_head import load_draft_head, new_draft_head
-from miles.rollout import Engine, SamplingParams
+from miles.rollout import Engine
 from miles.sample import Sample
 from miles.trainer.draft_head_trainer import DraftHeadTrainer
 
@@ -94,19 +94,9 @@ def test_a_trained_head_is_accepted_more_and_the_samples_do_not_change() -> None
     """A new head trained on the policy's samples: its KL falls, the share of its drafts the policy accepts
     rises several-fold, on the prompts it saw and on others, and the samples are plain decoding's."""
     cfg, inputs, trainer, engine = _train(epochs=30, lr=3e-3)
-    plain = Engine(inputs.model, inputs.tokenizer, replace(cfg.rollout, speculative="off"))
-    prompts = inputs.train_prompts[:8]
-    params = SamplingParams(
-        n=4, temperature=1.0, max_new_tokens=24, stop_token_ids=inputs.stop_token_ids, seed=11
-    )
-    expected = plain.generate(prompts, params)
-    before = engine.generate(prompts, params)
-    accepted_before = _accepted(engine)
-    metrics = trainer.train_step(before)
-    after = engine.generate(prompts, params)
-    accepted_after = _accepted(engine)
-    engine.generate(inputs.train_prompts[8:16], params)
-    accepted_unseen = _accepted(engine)
+    run = train_between_generations(cfg, inputs, engine, trainer.train_step)
+    expected, before, after, metrics = run.expected, run.before, run.after, run.metrics
+    accepted_before, accepted_after, accepted_unseen = run.accepted
     for got in (before, after):
         assert [s.response_ids for s in got] == [s.response_ids for s in expected]
     assert metrics["draft/loss_last_epoch"] < 0.5 * metrics["draft/loss"]
