@@ -204,3 +204,20 @@ def test_head_training_checks_its_settings() -> None:
             cfg.trainer,
             replace(cfg.rollout, spec_draft_lr=0.0),
         )
+
+
+def test_training_the_head_leaves_the_policy_untouched() -> None:
+    """The head learns through the policy's embedding and LM head, which get no gradient (the policy's own
+    update would add it in) and keep their values."""
+    from rollout_helpers import tiny_model
+
+    model = tiny_model(False, seed=2).train()
+    head = new_draft_head(model.args, 0, torch.float32, torch.device("cpu"), seed=5)
+    rollout = RolloutConfig(spec_draft_tokens=2, spec_draft_train=True, spec_draft_lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    DraftHeadTrainer(head, model, TrainerConfig(), rollout).train_step(
+        [Sample(prompt="", prompt_ids=[5, 6, 7], response_ids=[8, 9, 10, 11, 12])]
+    )
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training  # its mode is given back

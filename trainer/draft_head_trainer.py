@@ -142,7 +142,10 @@ class DraftHeadTrainer:
         within = torch.arange(len(responses), device=device) - torch.repeat_interleave(starts, lengths)
         left = torch.repeat_interleave(lengths, lengths) - within  # response tokens from j on
         last = len(responses) - 1
-        embed, lm_weight = self.policy.model.embed_tokens, self.policy.lm_head.weight
+        # The policy's weights are read, never trained: detached, so that no gradient reaches the policy's
+        # own (which its update would then add in) and none is computed.
+        embed_weight = self.policy.model.embed_tokens.weight.detach()
+        lm_weight = self.policy.lm_head.weight.detach()
         state = features
         total = torch.zeros((), device=device, dtype=torch.float32)
         agreed = torch.zeros((), device=device, dtype=torch.float32)
@@ -150,12 +153,12 @@ class DraftHeadTrainer:
         flat = torch.arange(len(responses), device=device)
         for i in range(1, self.depth + 1):
             fed = responses[(flat + i - 1).clamp(max=last)]
-            state = self.head(state, embed(fed).detach())
+            state = self.head(state, F.embedding(fed, embed_weight))
             target = (flat + i).clamp(max=last)
             valid = (left > i) & masks[target]
             picked = valid.nonzero().squeeze(1)
-            if not len(picked):
-                break
+            if not len(picked):  # (a later step may still have targets: tool outputs are masked)
+                continue
             count += len(picked)
             for s in range(0, len(picked), _LOSS_ROWS):
                 chunk = picked[s : s + _LOSS_ROWS]
