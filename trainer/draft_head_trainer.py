@@ -225,11 +225,9 @@ class DraftHeadTrainer:
         grads = [param.grad for param in self.params]
         for g in grads:
             self.dp.all_reduce(g)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        if self.grad_clip > 0:
-            scale = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(scale.to(g.dtype))
+        # As TorchTrainer clips: torch's own clip over the summed gradients (0 disables clipping).
+        clip = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.masters is not None:
