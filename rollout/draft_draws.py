@@ -54,6 +54,11 @@ class DraftDraws:
             device,
         )
 
+    def uniforms(self, steps: int) -> np.ndarray:
+        """[requests, steps] the uniform numbers of every request's next `steps` draws (offsets 0, 1, ...)."""
+        offsets = np.arange(steps, dtype=np.uint64)
+        return uniforms_of_mixed(self.mixed[:, None], self.outputs[:, None] + offsets[None, :])
+
     def sample(self, logits: torch.Tensor, picked: list[int] | None, offset: int) -> torch.Tensor:
         """Tokens of `logits` row i for request picked[i] (None: every request, in order) at response position
         len(output) + offset."""

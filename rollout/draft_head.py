@@ -5,13 +5,16 @@ the request's last token was sampled from (the engine keeps the last step's: `Mo
 and that token's embedding; each of its k steps gives logits through the model's LM head, a draft token
 drawn from them as draft_draws.py says, and the state the next step starts from. A request that was not in
 the last step has no hidden state to start from and gets no draft this step. Nothing is cached between
-proposals, so nothing has to be dropped when requests leave, retract, or the head's weights change.
+proposals, so nothing has to be dropped when requests leave, retract, or the head's weights change. With CUDA
+graphs on, a proposal whose rows all take the plain draw, or are all greedy, replays the k steps as one graph
+(draft_head_graph.py).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,8 +24,13 @@ from miles.models import fused
 from miles.models.draft_head import DraftHead, load_draft_head, new_draft_head
 from miles.models.model import CausalLM
 from miles.rollout.draft_draws import DraftDraws
+from miles.rollout.draft_head_graph import HeadProposalGraphs
 from miles.rollout.forward_batch import host_to_device
 from miles.rollout.request import Request
+from miles.rollout.sampler_graph import plain_draw
+
+if TYPE_CHECKING:
+    from miles.rollout.cuda_graph import CudaGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +59,25 @@ def load_head(model: CausalLM, cfg: RolloutConfig, head: DraftHead | None = None
     return head.eval()
 
 
+def proposal_graphs(
+    head: DraftHead, model: CausalLM, cfg: RolloutConfig, graphs: CudaGraphRunner | None
+) -> HeadProposalGraphs | None:
+    """The proposal graphs beside the engine's decode graphs `graphs` (None without them), for the batch
+    sizes that speculate: those of the verify graphs (cuda_graph.py)."""
+    if graphs is None:
+        return None
+    from miles.rollout.cuda_graph import VERIFY_MAX_BATCH
+
+    largest = graphs.verify_max_batch or VERIFY_MAX_BATCH
+    return HeadProposalGraphs(head, model, cfg.spec_draft_tokens, [b for b in graphs.buckets if b <= largest])
+
+
 class DraftHeadProposer:
-    def __init__(self, head: DraftHead, model: CausalLM, fused_kernels: bool) -> None:
-        self.head, self.model, self.fused_kernels = head, model, fused_kernels
+    def __init__(
+        self, head: DraftHead, model: CausalLM, fused_kernels: bool, graphs: HeadProposalGraphs | None = None
+    ) -> None:
+        """`graphs`: the proposal graphs to replay where they apply (None: every proposal runs eagerly)."""
+        self.head, self.model, self.fused_kernels, self.graphs = head, model, fused_kernels, graphs
         self.draws = 0
 
     def propose(
@@ -64,18 +88,35 @@ class DraftHeadProposer:
         if not reqs:
             return []
         device = self.head.device
-        state = hidden[host_to_device(np.asarray(rows, dtype=np.int64), device)]
-        last = [req.output_ids[-1] for req in reqs]
-        tokens = host_to_device(np.asarray(last, dtype=np.int64), device)
+        index = host_to_device(np.asarray(rows, dtype=np.int64), device)
+        tokens = host_to_device(np.asarray([req.output_ids[-1] for req in reqs], dtype=np.int64), device)
         draws = DraftDraws(reqs, self.model.args.vocab_size, device, self.fused_kernels)
-        columns = []
-        embed, lm_head = self.model.model.embed_tokens, self.model.lm_head
-        # Every request takes max(ks) steps (ks differ only near a request's end); one read at the end.
+        steps = max(ks)  # every request takes max(ks) steps (ks differ only near a request's end)
         with fused.fused_kernels(self.fused_kernels):
-            for step in range(max(ks)):
-                state = self.head(state, embed(tokens))
-                tokens = draws.sample(lm_head(state), None, step)
-                columns.append(tokens)
-        self.draws += draws.made
-        drawn = torch.stack(columns, dim=1).tolist()
-        return [row[:k] for row, k in zip(drawn, ks)]
+            drafts = self._replay(hidden, index, tokens, draws, steps)
+            if drafts is None:
+                drafts = self._eager(hidden[index], tokens, draws, steps)
+        self.draws += steps
+        return [row[:k] for row, k in zip(drafts.tolist(), ks)]  # the one read of the proposal
+
+    def _eager(
+        self, state: torch.Tensor, tokens: torch.Tensor, draws: DraftDraws, steps: int
+    ) -> torch.Tensor:
+        embed, lm_head = self.model.model.embed_tokens, self.model.lm_head
+        columns = []
+        for step in range(steps):
+            state = self.head(state, embed(tokens))
+            tokens = draws.sample(lm_head(state), None, step)
+            columns.append(tokens)
+        return torch.stack(columns, dim=1)
+
+    def _replay(
+        self, hidden: torch.Tensor, index: torch.Tensor, last: torch.Tensor, draws: DraftDraws, steps: int
+    ) -> torch.Tensor | None:
+        """[n, >= steps] the proposal's tokens from the graphs, or None where they do not apply."""
+        graphs = self.graphs
+        st = draws.settings
+        if graphs is None or steps > graphs.steps or not (st.all_greedy or plain_draw(st, self.head.device)):
+            return None
+        uniform = None if st.all_greedy else draws.uniforms(graphs.steps)
+        return graphs.propose(hidden, index, last, st, uniform)

@@ -27,7 +27,7 @@ from miles.models.draft_head import DraftHead
 from miles.models.model import CausalLM
 from miles.rollout import virtual_memory
 from miles.rollout.attention_flashinfer import check_decode_kernel
-from miles.rollout.draft_head import DraftHeadProposer, load_head
+from miles.rollout.draft_head import DraftHeadProposer, load_head, proposal_graphs
 from miles.rollout.draft_model import DraftModel, load_draft_model
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
@@ -247,7 +247,12 @@ class Engine:
         self.head_drafter: DraftHeadProposer | None = None
         if spec_mode == "head":
             head = load_head(model, cfg, draft_head)
-            self.head_drafter = DraftHeadProposer(head, model, self._use_fused_kernels(cfg))
+            self.head_drafter = DraftHeadProposer(
+                head,
+                model,
+                self._use_fused_kernels(cfg),
+                proposal_graphs(head, model, cfg, self.runner.graphs),
+            )
         self._head_rows: dict[int, int] = {}
         """Request id -> the row of `_head_hidden` its last token was sampled from (the last step's requests)."""
         self._head_hidden: torch.Tensor | None = None

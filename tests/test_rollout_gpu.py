@@ -549,6 +549,9 @@ def test_draft_head_speculation_on_cuda_matches_plain_decoding() -> None:
         spec = engine.generate(PROMPTS, params)
         m = engine.metrics()
         assert verified, m
+        # Proposals replay the proposal graphs (draft_head_graph.py), greedy and temperature-1 ones alike.
+        assert engine.head_drafter is not None and engine.head_drafter.graphs is not None
+        assert engine.head_drafter.graphs.replays > 0, m
         if (
             params.temperature == 0.0
         ):  # (a random bf16 model's flat distributions rarely agree at temperature 1)
@@ -557,6 +560,55 @@ def test_draft_head_speculation_on_cuda_matches_plain_decoding() -> None:
         else:
             same = sum(a.response_ids == b.response_ids for a, b in zip(plain, spec))
             assert same >= len(plain) // 2, [(a.response_ids, b.response_ids) for a, b in zip(plain, spec)]
+
+
+def test_draft_head_proposal_graphs_draw_the_eager_proposals() -> None:
+    """A proposal replayed as a CUDA graph (draft_head_graph.py) is the eager proposal bit for bit at a
+    bucket's own size; padded to a bucket, its rows are those the eager proposal gives the same requests
+    beside others (rows do not mix); all-greedy proposals have graphs of their own; filtered draws, greedy
+    rows mixed with sampled ones, and batches past the buckets run eagerly."""
+    from miles.models.draft_head import new_draft_head
+    from miles.rollout.draft_head import DraftHeadProposer
+    from miles.rollout.draft_head_graph import HeadProposalGraphs
+    from miles.rollout.request import Request
+
+    model = gpu_model(moe=False, seed=3)
+    head = new_draft_head(model.args, 0, model.dtype, model.device, seed=2)
+    with torch.no_grad():  # a head whose MLP counts (a new one's output projection is zero)
+        head.mlp.down_proj.weight.normal_(std=0.02)
+    graphs = HeadProposalGraphs(head, model, 3, [1, 2, 4, 8])
+    eager, graphed = DraftHeadProposer(head, model, True), DraftHeadProposer(head, model, True, graphs)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, model.args.hidden_size, generator=generator).to(model.device, model.dtype)
+
+    def requests(temperatures: list[float], **params: float) -> list[Request]:
+        return [
+            Request(
+                i, [1, 2], SamplingParams(temperature=t, **params), seed=40 + i, output_ids=[5 + i] * (1 + i)
+            )
+            for i, t in enumerate(temperatures)
+        ]
+
+    reqs, rows, ks = requests([1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 2.0, 1.0]), [3, 0, 11, 5, 5, 7, 1, 9], [3] * 8
+    want = eager.propose(reqs, ks, hidden, rows)
+    assert graphs.replays == 0
+    assert graphed.propose(reqs, ks, hidden, rows) == want and graphs.replays == 1
+    assert len({tuple(d) for d in want}) > 4  # the draws differ between requests
+    graphed.propose(reqs[::-1], ks, hidden, rows[::-1])  # other inputs left in the padding rows below
+    assert graphed.propose(reqs[:5], [3, 1, 2, 3, 0], hidden, rows[:5]) == [
+        d[:k] for d, k in zip(want[:5], [3, 1, 2, 3, 0])
+    ]
+    assert graphs.replays == 3
+    greedy = requests([0.0, 0.0])  # all greedy: a graph of its own
+    assert graphed.propose(greedy, [3, 3], hidden, rows[:2]) == eager.propose(
+        greedy, [3, 3], hidden, rows[:2]
+    )
+    assert graphs.replays == 4
+    # Filtered draws, greedy rows beside sampled ones, more requests than the buckets: eager.
+    for others in (requests([1.0] * 3, top_k=20), requests([0.0, 1.0, 1.0]), requests([1.0] * 9)):
+        ks, picked = [3] * len(others), list(range(len(others)))
+        assert graphed.propose(others, ks, hidden, picked) == eager.propose(others, ks, hidden, picked)
+    assert graphs.replays == 4
 
 
 def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
