@@ -150,18 +150,19 @@ class PromptFormatter:
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
         return messages
 
-    def text(self, prompt: str | list[dict[str, Any]]) -> str:
+    def text(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI-style tool definitions for the chat template (`miles serve`'s chat completions)."""
         if self.cfg.prompt_template is not None:
             content = prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
             return self.cfg.prompt_template.format(prompt=content)
         if self.use_chat_template:
             return self.tokenizer.apply_chat_template(
-                self.messages(prompt), tokenize=False, add_generation_prompt=True
+                self.messages(prompt), tools=tools, tokenize=False, add_generation_prompt=True
             )
         return prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
 
-    def ids(self, prompt: str | list[dict[str, Any]]) -> list[int]:
-        return list(self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"])
+    def ids(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return list(self.tokenizer(self.text(prompt, tools), add_special_tokens=False)["input_ids"])
 
 
 def to_samples(

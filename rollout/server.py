@@ -13,9 +13,12 @@ the engine's convention, docs/rollout.md), with up to 20 alternatives per token 
 (completions: `logprobs: N`; chat: `logprobs: true, top_logprobs: N`). `stream: true` sends server-sent events
 (OpenAI's chunks, then `data: [DONE]`; `stream_options.include_usage` adds the usage), holding back the
 last characters while a stop string could still take them back; a client that hangs up stops its
-generation. Not supported, and refused with a 400 rather than ignored: `echo`, `suffix`, `best_of` > 1,
-logprobs or token ids with streaming, non-zero `frequency_penalty` /
-`presence_penalty`, `logit_bias`, tool calling (`tools`, `tool_calls`, ...) and
+generation. Chat completions take `tools` (with `tool_choice` "auto" or "none", and `parallel_tool_calls`),
+`tool_calls` in assistant messages and `tool` messages, and return the model's calls as `tool_calls`, streamed
+or not, where the model's chat template renders tools in Qwen's `<tool_call>` format (tool_calls.py). Not
+supported, and refused with a 400 rather than ignored: `echo`, `suffix`, `best_of` > 1, logprobs or token ids
+with streaming, non-zero `frequency_penalty` / `presence_penalty`, `logit_bias`, a forced tool call
+(`tool_choice` "required" or a named function), the legacy `functions` / `function_call`, and
 `response_format`. Chat content may be a string or text parts. Tokenizing runs on the engine's thread
 (the tokenizer is the engine's); a request waiting past `request_timeout_s` gets a 504 and what it still
 runs is aborted.
@@ -42,6 +45,15 @@ import torch
 
 from miles.rollout.params import SamplingParams
 from miles.rollout.sampling import MAX_TOP_LOGPROBS
+from miles.rollout.tool_calls import (
+    ToolCallStream,
+    ToolError,
+    check_tool_choice,
+    check_tools,
+    parse_reply,
+    template_messages,
+    template_renders_tools,
+)
 from miles.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -128,6 +140,8 @@ class EngineServer:
         self._stop = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="miles-engine", daemon=True)
         self._http_thread: threading.Thread | None = None
+        self._renders_tools: bool | None = None
+        """Whether the formatter's chat template renders tools in the `<tool_call>` format (probed once)."""
         self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
         self.httpd.daemon_threads = True
 
@@ -320,6 +334,8 @@ class EngineServer:
     # requests --------------------------------------------------------------------------------------
     def completions(self, body: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
         self._check_model(body)
+        if body.get("tools") not in (None, []):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "'tools' are for /v1/chat/completions")
         prompt = body.get("prompt")
         prompts = self.on_engine(lambda: self._prompt_ids(prompt))
         if body.get("stream"):
@@ -359,17 +375,28 @@ class EngineServer:
             raise RequestError(
                 HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
             )
-        prompts = [self.on_engine(lambda: self.formatter.ids(messages))]
+        messages, tools, parse_calls = self._tools(body, messages)
+        prompts = [self.on_engine(lambda: self.formatter.ids(messages, tools))]
         if body.get("stream"):
-            return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl")
+            return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl", parse_calls)
         job = self._generate(prompts, body, default_max_tokens=None)
         choices = []
+        one_call = body.get("parallel_tool_calls") is False
         for index in range(job.params.n):
             sample = job.results[0, index]
+            message: dict[str, Any] = {"role": "assistant", "content": sample.response_text}
+            finish = _FINISH[sample.status]
+            if parse_calls:
+                reply = parse_reply(sample.response_text)
+                calls = reply.calls[:1] if one_call else reply.calls
+                message["content"] = reply.content
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": sample.response_text},
-                "finish_reason": _FINISH[sample.status],
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": None,
             }
             if body.get("logprobs"):
@@ -393,6 +420,31 @@ class EngineServer:
                 _add_token_ids(choice, sample)
             choices.append(choice)
         return self._envelope("chat.completion", "chatcmpl", choices, job)
+
+    def _tools(
+        self, body: dict[str, Any], messages: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+        """(messages for the chat template, tools for it, whether to parse the reply's calls)."""
+        try:
+            tools = check_tools(body["tools"]) if body.get("tools") not in (None, []) else None
+            parse_calls = tools is not None and check_tool_choice(body.get("tool_choice"))
+            history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+            if (tools is not None or history) and not self.on_engine(self._check_renders_tools):
+                raise ToolError(
+                    "this model's chat template does not render tools in the <tool_call> format (Qwen2.5, "
+                    "Qwen3 and Hermes templates do); send the tools in a message's text instead"
+                )
+            return template_messages(messages), tools if parse_calls else None, parse_calls
+        except ToolError as err:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(err)) from None
+
+    def _check_renders_tools(self) -> bool:
+        if self._renders_tools is None:
+            f = self.formatter
+            self._renders_tools = (
+                f.use_chat_template and f.cfg.prompt_template is None and template_renders_tools(f.tokenizer)
+            )
+        return self._renders_tools
 
     def models(self) -> dict[str, Any]:
         return {
@@ -445,8 +497,10 @@ class EngineServer:
         default_max_tokens: int | None,
         kind: str,
         prefix: str,
+        parse_calls: bool = False,
     ) -> Iterator[dict[str, Any]]:
-        """Server-sent events: the text of each choice as it is generated (OpenAI's chunk objects)."""
+        """Server-sent events: the text of each choice as it is generated (OpenAI's chunk objects); with
+        `parse_calls`, the text before a choice's first tool call as it comes, its calls when it ends."""
         if self.engine.tokenizer is None:
             raise RequestError(HTTPStatus.BAD_REQUEST, "streaming needs a tokenizer; send stream=false")
         if body.get("logprobs") not in (None, False, 0) or body.get("return_token_ids"):
@@ -460,11 +514,16 @@ class EngineServer:
         job = _Job(prompts, params, events=queue.Queue())
         self._jobs.put(job)
         options = body.get("stream_options") or {}
-        return self._events(job, kind, prefix, bool(options.get("include_usage")))
+        calls = (1 if body.get("parallel_tool_calls") is False else None) if parse_calls else 0
+        return self._events(job, kind, prefix, bool(options.get("include_usage")), calls)
 
-    def _events(self, job: _Job, kind: str, prefix: str, include_usage: bool) -> Iterator[dict[str, Any]]:
+    def _events(
+        self, job: _Job, kind: str, prefix: str, include_usage: bool, calls: int | None = 0
+    ) -> Iterator[dict[str, Any]]:
+        """`calls`: 0 leaves tool calls in the text, None parses them, 1 parses the first one only."""
         ident, created, n = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), job.params.n
         chat = kind == "chat.completion.chunk"
+        streams: dict[int, ToolCallStream] | None = {} if calls != 0 else None
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {
@@ -496,8 +555,25 @@ class EngineServer:
                     break
                 position, index, text, finish = event
                 if chat:
-                    delta = {"content": text} if text else {}
-                    yield chunk([{"index": position * n + index, "delta": delta, "finish_reason": finish}])
+                    delta: dict[str, Any] = {}
+                    if streams is not None:
+                        stream = streams.setdefault(position * n + index, ToolCallStream())
+                        text = stream.feed(text)
+                        if finish is not None:
+                            reply = stream.finish()
+                            text += reply.content or ""
+                            if reply.calls:
+                                delta["tool_calls"] = [
+                                    {"index": i, **call.to_openai()}
+                                    for i, call in enumerate(reply.calls[:calls])
+                                ]
+                                finish = "tool_calls" if finish == "stop" else finish
+                    if text:
+                        delta = {"content": text, **delta}
+                    if delta or finish is not None:
+                        yield chunk(
+                            [{"index": position * n + index, "delta": delta, "finish_reason": finish}]
+                        )
                 else:
                     yield chunk(
                         [
@@ -564,11 +640,10 @@ def _sampling_params(
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (only 0)")
     if body.get("best_of") not in (None, 1):
         raise RequestError(HTTPStatus.BAD_REQUEST, "'best_of' > 1 is not supported")
-    for key in ("tools", "tool_choice", "functions", "function_call", "response_format"):
+    for key in ("functions", "function_call", "response_format"):
         if body.get(key) not in (None, [], "none"):
-            raise RequestError(
-                HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (no tool calling or JSON mode)"
-            )
+            hint = "send 'tools' instead" if key.startswith("function") else "no JSON mode"
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported ({hint})")
     alternatives = _alternatives_asked(body)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -628,8 +703,10 @@ def _messages(messages: Any) -> list[Any]:
     return messages
 
 
-def _message(m: Any) -> dict[str, str]:
-    """A chat message as {role, content}: text content parts are joined; an assistant's null content is ''."""
+def _message(m: Any) -> dict[str, Any]:
+    """A chat message as {role, content}: text content parts are joined; an assistant's null content is ''.
+    An assistant's `tool_calls` and a tool message's `tool_call_id` / `name` come along (checked where the
+    tools are, `EngineServer._tools`)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise RequestError(HTTPStatus.BAD_REQUEST, "each message needs a string 'role' and a 'content'")
     content = m.get("content")
@@ -644,9 +721,12 @@ def _message(m: Any) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise RequestError(HTTPStatus.BAD_REQUEST, "a message's 'content' must be a string or text parts")
+    out: dict[str, Any] = {"role": m["role"], "content": content}
     if m.get("tool_calls"):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "messages with 'tool_calls' are not supported")
-    return {"role": m["role"], "content": content}
+        out["tool_calls"] = m["tool_calls"]
+    if m["role"] == "tool":
+        out.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+    return out
 
 
 def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:

@@ -250,7 +250,7 @@ def test_openai_fields_the_server_reads_and_those_it_refuses(server: EngineServe
     assert out["choices"][0]["prompt_token_ids"] == out_plain["choices"][0]["prompt_token_ids"]
     refused = [
         ({"prompt": "x", "temperature": float("nan")}, "temperature"),
-        ({"prompt": "x", "tools": [{"type": "function"}]}, "'tools' is not supported"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "'tools' are for /v1/chat/completions"),
         ({"prompt": "x", "logprobs": 21}, "'logprobs' must be"),
         ({"prompt": "x", "top_logprobs": 2}, "needs 'logprobs': true"),
         ({"prompt": "x", "logprobs": True, "top_logprobs": 25}, "'top_logprobs' must be"),

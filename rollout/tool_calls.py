@@ -1,0 +1,203 @@
+"""Tool calling for `miles serve`'s chat completions: OpenAI's `tools` in, `tool_calls` out.
+
+The tools go to the model's chat template (`apply_chat_template(..., tools=...)`), which tells the model
+how to call them; Qwen's templates (Qwen2.5, Qwen3, Qwen3-MoE), like Hermes', ask for one block per call:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+That is the format read back here. A block whose body is not a JSON object with a string `name` (and an
+object, or a JSON string of one, as `arguments`) stays in the text, as does an unclosed one: a malformed
+call is shown to the client rather than lost. With tools on, a message's `content` is the text outside the
+calls, each piece stripped of surrounding whitespace and joined by newlines (null when nothing is left), and
+`finish_reason` is `tool_calls` when the model called any. Streaming sends the text before the first call
+as it comes and the calls when the choice ends (`ToolCallStream`), so the streamed content and calls are
+exactly the non-streamed ones.
+
+History in OpenAI's shape is handed to the template in the shape HF templates read: an assistant message's
+`tool_calls` with `function.arguments` parsed from its JSON string, `tool` messages with their content (and
+`tool_call_id` / `name` where given).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
+_PROBE = "miles_probe_tool"
+
+
+class ToolError(ValueError):
+    """A request's tools or tool messages that cannot be used; the message says what to send instead."""
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
+
+
+@dataclass
+class ParsedReply:
+    content: str | None
+    calls: list[ToolCall]
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI's `tools` (a list of {"type": "function", "function": {"name", "description"?,
+    "parameters"?}}), checked; passed to the chat template as given."""
+    if not isinstance(tools, list):
+        raise ToolError('\'tools\' must be a list of {"type": "function", "function": {...}}')
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise ToolError('each tool must be {"type": "function", "function": {"name": ..., ...}}')
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ToolError("each tool's function needs a non-empty string 'name'")
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise ToolError(f"tool {function['name']!r}: 'parameters' must be a JSON Schema object")
+    return tools
+
+
+def check_tool_choice(choice: Any) -> bool:
+    """Whether calls are parsed for OpenAI's `tool_choice`: "auto" (the default) yes, "none" no. "required"
+    and a named function would need constrained decoding and are refused."""
+    if choice is None or choice == "auto":
+        return True
+    if choice == "none":
+        return False
+    raise ToolError('\'tool_choice\' may be "auto" or "none" (forcing a call needs constrained decoding)')
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages (content already text) -> the messages HF chat templates read."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            if m["role"] != "assistant":
+                raise ToolError("only assistant messages carry 'tool_calls'")
+            m = {**m, "tool_calls": [_template_call(c) for c in _as_list(calls)]}
+        out.append(m)
+    return out
+
+
+def _as_list(calls: Any) -> list[Any]:
+    if not isinstance(calls, list):
+        raise ToolError("'tool_calls' must be a list")
+    return calls
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ToolError('each tool call must be {"type": "function", "function": {"name", "arguments"}}')
+    arguments = function.get("arguments") or "{}"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ToolError(f"tool call {function['name']!r}: 'arguments' is not JSON ({err})") from None
+    if not isinstance(arguments, dict):
+        raise ToolError(f"tool call {function['name']!r}: 'arguments' must be a JSON object")
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes the tools into the prompt and asks for `<tool_call>`
+    blocks (rendering a probe tool: a template that ignores `tools` drops it silently)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or CALL_START not in template:
+        return False
+    probe = [{"type": "function", "function": {"name": _PROBE, "parameters": {"type": "object"}}}]
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=probe, tokenize=False, add_generation_prompt=True
+        )
+    except Exception:  # a template that fails on tools does not support them
+        return False
+    return _PROBE in text
+
+
+def parse_reply(text: str) -> ParsedReply:
+    """The calls in a reply and the text around them (the module's docstring)."""
+    calls, pieces, last = [], [], 0
+    for match in _BLOCK.finditer(text):
+        call = _call_of(match.group(1))
+        if call is None:
+            continue  # left in the text
+        pieces.append(text[last : match.start()])
+        calls.append(call)
+        last = match.end()
+    pieces.append(text[last:])
+    content = "\n".join(p.strip() for p in pieces if p.strip())
+    return ParsedReply(content or None, calls)
+
+
+def _call_of(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], arguments)
+
+
+class ToolCallStream:
+    """One streamed choice's text with tools on: `feed` returns the content that can go out now (the text
+    before anything that may start a call, less leading and trailing whitespace), `finish` the rest of the
+    content and the calls, which together are `parse_reply` of the whole text."""
+
+    def __init__(self) -> None:
+        self.text, self.sent = "", ""
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        cut = self.text.find(CALL_START)
+        if cut < 0:  # hold back a tail that may be the start of a call's tag
+            cut = len(self.text) - _partial_tag(self.text)
+        safe = self.text[:cut].strip()
+        new = safe[len(self.sent) :]
+        self.sent = safe
+        return new
+
+    def finish(self) -> ParsedReply:
+        """The calls, and the content not sent yet (as `ParsedReply.content`)."""
+        reply = parse_reply(self.text)
+        content = reply.content or ""
+        assert content.startswith(self.sent), (content, self.sent)  # what was sent is the content's start
+        return ParsedReply(content[len(self.sent) :] or None, reply.calls)
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `<tool_call>`."""
+    for size in range(min(len(CALL_START) - 1, len(text)), 0, -1):
+        if CALL_START.startswith(text[-size:]):
+            return size
+    return 0

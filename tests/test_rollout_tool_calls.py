@@ -1,0 +1,303 @@
+"""Tool calling in `miles serve` (rollout/tool_calls.py): tools rendered by the chat template, `<tool_call>`
+blocks parsed back into OpenAI's `tool_calls`, the same calls and content streamed or not."""
+
+from __future__ import annotations
+
+import copy
+import json
+import queue
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_rollout_server import call
+
+from miles.config import DataConfig, RolloutConfig
+from miles.data import PromptFormatter
+from miles.model_io import load_model
+from miles.rollout import Engine, SamplingParams
+from miles.rollout.server import EngineServer, _Job
+from miles.rollout.tool_calls import (
+    ToolCallStream,
+    ToolError,
+    check_tool_choice,
+    check_tools,
+    parse_reply,
+    template_messages,
+    template_renders_tools,
+)
+from miles.sample import Sample, SampleStatus
+
+# A ChatML template that renders tools and tool turns as Qwen's do (written for these tests).
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    '\n</tools>\nCall one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- elif message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    '{% for c in message.tool_calls %}\n<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+REPLIES = [
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
+    '"{\\"x\\": [1, 2]}"}\n</tool_call>',
+    "  No call here: 1 < 2 and <tool is not a tag.  ",
+    'Broken: <tool_call>\n{"name": oops}\n</tool_call> then <tool_call>{"name": "ok", "arguments": {}}'
+    "</tool_call> after",
+    'Unclosed <tool_call>\n{"name": "f", "arguments": {}}',
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tool_server() -> Iterator[EngineServer]:
+    loaded = load_model("builtin:tiny_moe_math")
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    engine = Engine(loaded.model, tokenizer, RolloutConfig(kv_cache_bytes=16 * 1024 * 1024))
+    server = EngineServer(engine, PromptFormatter(tokenizer, DataConfig()), "tiny", port=0)
+    server.start()
+    yield server
+    server.shutdown()
+
+
+def test_calls_and_the_text_around_them_are_parsed() -> None:
+    one = parse_reply(REPLIES[0])
+    assert one.content == "Let me look." and [(c.name, c.arguments) for c in one.calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    wire = one.calls[0].to_openai()
+    assert wire["type"] == "function" and wire["id"].startswith("call_")
+    assert json.loads(wire["function"]["arguments"]) == {"city": "Paris"}
+    two = parse_reply(REPLIES[1])  # arguments as a JSON string are read too
+    assert two.content is None and [(c.name, c.arguments) for c in two.calls] == [
+        ("a", {}),
+        ("b", {"x": [1, 2]}),
+    ]
+    assert len({c.id for c in two.calls}) == 2
+    assert parse_reply(REPLIES[2]).content == REPLIES[2].strip() and not parse_reply(REPLIES[2]).calls
+    broken = parse_reply(REPLIES[3])  # a malformed block stays in the text; the good one is a call
+    assert [c.name for c in broken.calls] == ["ok"]
+    assert broken.content == 'Broken: <tool_call>\n{"name": oops}\n</tool_call> then\nafter'
+    unclosed = parse_reply(REPLIES[4])
+    assert unclosed.content == REPLIES[4] and not unclosed.calls
+    assert parse_reply("").content is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_pieces_add_up_to_the_parsed_reply(seed: int) -> None:
+    """However the text arrives, the content sent as it comes plus what `finish` adds is the parsed content,
+    the calls are the parsed calls, and nothing of a call is sent before the end."""
+    rng = random.Random(seed)
+    for text in REPLIES:
+        stream, sent, cuts = (
+            ToolCallStream(),
+            "",
+            sorted(rng.sample(range(len(text) + 1), min(6, len(text) + 1))),
+        )
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] if seed else list(text)
+        for piece in pieces:
+            sent += stream.feed(piece)
+            assert "<tool_" not in sent or "<tool_call>" not in text, (text, sent)
+        end, want = stream.finish(), parse_reply(text)
+        assert sent + (end.content or "") == (want.content or "")
+        assert [(c.name, c.arguments) for c in end.calls] == [(c.name, c.arguments) for c in want.calls]
+
+
+def test_tools_and_tool_history_are_checked_and_converted() -> None:
+    assert check_tools([WEATHER]) == [WEATHER]
+    for bad, message in [
+        ({"type": "function"}, "must be a list"),
+        ([{"type": "code_interpreter"}], "each tool must be"),
+        ([{"type": "function", "function": {"name": ""}}], "non-empty string 'name'"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "JSON Schema object"),
+    ]:
+        with pytest.raises(ToolError, match=message):
+            check_tools(bad)
+    assert check_tool_choice(None) and check_tool_choice("auto") and not check_tool_choice("none")
+    for forced in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(ToolError, match="constrained decoding"):
+            check_tool_choice(forced)
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+    ]
+    converted = template_messages(history)
+    assert converted[1]["tool_calls"] == [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            "id": "call_1",
+        }
+    ]
+    assert converted[0] == history[0] and converted[2] == history[2]
+    bad_json = copy.deepcopy(history)
+    bad_json[1]["tool_calls"][0]["function"]["arguments"] = "{city"
+    with pytest.raises(ToolError, match="not JSON"):
+        template_messages(bad_json)
+    with pytest.raises(ToolError, match="only assistant messages"):
+        template_messages([{"role": "user", "content": "x", "tool_calls": [{}]}])
+
+
+def test_only_templates_that_render_tools_as_tool_call_blocks_take_them() -> None:
+    loaded = load_model("builtin:tiny_moe_math")
+    assert not template_renders_tools(loaded.tokenizer)  # ChatML without tools
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    assert template_renders_tools(tokenizer)
+    # Mentions the tag but drops the tools: not taken.
+    tokenizer.chat_template = loaded.tokenizer.chat_template + "{# <tool_call> #}"
+    assert not template_renders_tools(tokenizer)
+
+
+def test_the_prompt_holds_the_tools_and_the_tool_turns(tool_server: EngineServer) -> None:
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    body = {"messages": history, "tools": [WEATHER], "max_tokens": 8, "seed": 1, "return_token_ids": True}
+    status, out = call(tool_server, "/v1/chat/completions", body)
+    assert status == 200, out
+    prompt = tool_server.engine.tokenizer.decode(out["choices"][0]["prompt_token_ids"])
+    assert json.dumps(WEATHER) in prompt  # the template's tojson of the tool, as given
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    choice = out["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+    # tool_choice "none": the tools stay out of the prompt and the reply is plain text.
+    status, none = call(tool_server, "/v1/chat/completions", {**body, "tool_choice": "none"})
+    assert status == 200 and "<tools>" not in tool_server.engine.tokenizer.decode(
+        none["choices"][0]["prompt_token_ids"]
+    )
+    assert "tool_calls" not in none["choices"][0]["message"]
+
+
+def test_tool_requests_the_server_refuses(tool_server: EngineServer) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    for path, body, message in [
+        (
+            "/v1/chat/completions",
+            {"messages": user, "tools": [WEATHER], "tool_choice": "required"},
+            "constrained",
+        ),
+        ("/v1/chat/completions", {"messages": user, "tools": [{"type": "function"}]}, "each tool must be"),
+        (
+            "/v1/chat/completions",
+            {"messages": user, "functions": [WEATHER["function"]]},
+            "send 'tools' instead",
+        ),
+        ("/v1/completions", {"prompt": "x", "tools": [WEATHER]}, "/v1/chat/completions"),
+    ]:
+        status, out = call(tool_server, path, body)
+        assert status == 400 and message in out["error"]["message"], (body, out)
+
+
+def replying(monkeypatch: Any, text: str, status: SampleStatus = SampleStatus.COMPLETED) -> None:
+    """The server's generation returns a sample of `text` (the tiny model does not call tools)."""
+
+    def generate(
+        self: EngineServer, prompts: list[list[int]], body: dict, default_max_tokens: int | None
+    ) -> _Job:
+        job = _Job(prompts, SamplingParams(n=1))
+        job.results[0, 0] = Sample(prompt_ids=prompts[0], response_text=text, status=status)
+        return job
+
+    monkeypatch.setattr(EngineServer, "_generate", generate)
+
+
+def test_a_reply_s_calls_come_back_as_tool_calls(tool_server: EngineServer, monkeypatch: Any) -> None:
+    """The model's reply (set by `replying`) becomes OpenAI's message, streamed
+    or not, with the same content and calls."""
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    for text, finish in [(REPLIES[0], "tool_calls"), (REPLIES[1], "tool_calls"), ("Sunny.", "stop")]:
+        replying(monkeypatch, text)
+        status, out = call(tool_server, "/v1/chat/completions", {"messages": user, "tools": [WEATHER]})
+        assert status == 200, out
+        message, want = out["choices"][0]["message"], parse_reply(text)
+        assert out["choices"][0]["finish_reason"] == finish and message["content"] == want.content
+        calls = message.get("tool_calls", [])
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            (c.name, c.arguments) for c in want.calls
+        ]
+        # Streamed: the events of a choice whose text arrives in pieces.
+        job = _Job([[1, 2]], SamplingParams(n=1), events=queue.Queue())
+        pieces = [text[i : i + 5] for i in range(0, len(text), 5)] or [""]
+        for piece in pieces[:-1]:
+            job.events.put((0, 0, piece, None))
+        job.events.put((0, 0, pieces[-1], "stop"))
+        job.events.put(None)
+        chunks = list(tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, None))
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        content = "".join(d["delta"].get("content", "") for d in deltas)
+        streamed = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
+        assert (content or None) == want.content and deltas[-1]["finish_reason"] == finish
+        assert [
+            (c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed
+        ] == [(i, c.name, c.arguments) for i, c in enumerate(want.calls)]
+    # parallel_tool_calls=false keeps the first call.
+    replying(monkeypatch, REPLIES[1])
+    body = {"messages": user, "tools": [WEATHER], "parallel_tool_calls": False}
+    status, out = call(tool_server, "/v1/chat/completions", body)
+    assert status == 200 and [c["function"]["name"] for c in out["choices"][0]["message"]["tool_calls"]] == [
+        "a"
+    ]
+    # A reply cut by the length limit keeps its finish reason.
+    replying(monkeypatch, REPLIES[0], SampleStatus.TRUNCATED)
+    status, out = call(tool_server, "/v1/chat/completions", {"messages": user, "tools": [WEATHER]})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_template_without_tools_refuses_them(loaded_server_plain: EngineServer) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    status, out = call(loaded_server_plain, "/v1/chat/completions", {"messages": user, "tools": [WEATHER]})
+    assert status == 400 and "does not render tools" in out["error"]["message"]
+    tool_turn = [*user, {"role": "tool", "content": "x"}]
+    status, out = call(loaded_server_plain, "/v1/chat/completions", {"messages": tool_turn})
+    assert status == 400 and "does not render tools" in out["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def loaded_server_plain() -> Iterator[EngineServer]:
+    loaded = load_model("builtin:tiny_moe_math")
+    engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig(kv_cache_bytes=16 * 1024 * 1024))
+    server = EngineServer(engine, PromptFormatter(loaded.tokenizer, DataConfig()), "tiny", port=0)
+    server.start()
+    yield server
+    server.shutdown()
