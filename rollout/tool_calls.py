@@ -176,10 +176,16 @@ class ToolCallStream:
 
     def __init__(self) -> None:
         self.text, self.sent = "", ""
+        self.call_at = -1
+        """Where the first `<tool_call>` starts (-1: not seen yet); nothing after it goes out before the end."""
 
     def feed(self, piece: str) -> str:
+        if self.call_at >= 0:
+            self.text += piece
+            return ""
+        start = max(0, len(self.text) - len(CALL_START) + 1)  # a tag may straddle the old end
         self.text += piece
-        cut = self.text.find(CALL_START)
+        self.call_at = cut = self.text.find(CALL_START, start)
         if cut < 0:  # hold back a tail that may be the start of a call's tag
             cut = len(self.text) - _partial_tag(self.text)
         safe = self.text[:cut].strip()
