@@ -381,14 +381,13 @@ class EngineServer:
             return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl", parse_calls)
         job = self._generate(prompts, body, default_max_tokens=None)
         choices = []
-        one_call = body.get("parallel_tool_calls") is False
         for index in range(job.params.n):
             sample = job.results[0, index]
             message: dict[str, Any] = {"role": "assistant", "content": sample.response_text}
             finish = _FINISH[sample.status]
             if parse_calls:
                 reply = parse_reply(sample.response_text)
-                calls = reply.calls[:1] if one_call else reply.calls
+                calls = reply.calls[: _call_limit(body)]
                 message["content"] = reply.content
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
@@ -514,16 +513,21 @@ class EngineServer:
         job = _Job(prompts, params, events=queue.Queue())
         self._jobs.put(job)
         options = body.get("stream_options") or {}
-        calls = (1 if body.get("parallel_tool_calls") is False else None) if parse_calls else 0
-        return self._events(job, kind, prefix, bool(options.get("include_usage")), calls)
+        include_usage = bool(options.get("include_usage"))
+        return self._events(job, kind, prefix, include_usage, parse_calls, _call_limit(body))
 
     def _events(
-        self, job: _Job, kind: str, prefix: str, include_usage: bool, calls: int | None = 0
+        self,
+        job: _Job,
+        kind: str,
+        prefix: str,
+        include_usage: bool,
+        parse_calls: bool = False,
+        call_limit: int | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """`calls`: 0 leaves tool calls in the text, None parses them, 1 parses the first one only."""
         ident, created, n = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), job.params.n
         chat = kind == "chat.completion.chunk"
-        streams: dict[int, ToolCallStream] | None = {} if calls != 0 else None
+        streams: dict[int, ToolCallStream] | None = {} if parse_calls else None
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {
@@ -565,7 +569,7 @@ class EngineServer:
                             if reply.calls:
                                 delta["tool_calls"] = [
                                     {"index": i, **call.to_openai()}
-                                    for i, call in enumerate(reply.calls[:calls])
+                                    for i, call in enumerate(reply.calls[:call_limit])
                                 ]
                                 finish = "tool_calls" if finish == "stop" else finish
                     if text:
@@ -621,6 +625,11 @@ def _usage(job: _Job) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
+
+
+def _call_limit(body: dict[str, Any]) -> int | None:
+    """How many of a reply's tool calls go back: the first only with `parallel_tool_calls: false`."""
+    return 1 if body.get("parallel_tool_calls") is False else None
 
 
 def _add_token_ids(choice: dict[str, Any], sample: Sample) -> None:

@@ -263,7 +263,7 @@ def test_a_reply_s_calls_come_back_as_tool_calls(tool_server: EngineServer, monk
             job.events.put((0, 0, piece, None))
         job.events.put((0, 0, pieces[-1], "stop"))
         job.events.put(None)
-        chunks = list(tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, None))
+        chunks = list(tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, parse_calls=True))
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
         content = "".join(d["delta"].get("content", "") for d in deltas)
         streamed = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
