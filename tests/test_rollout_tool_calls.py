@@ -36,10 +36,10 @@ TOOL_TEMPLATE = (
     "{% endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
-    "</tool_response><|im_end|>\n"
+    "</tool_response><|im_end|>{{ '\\n' }}"
     "{%- elif message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
     '{% for c in message.tool_calls %}\n<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
-    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>{{ '\\n' }}"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -1,0 +1,139 @@
+"""A ready generate plugin for tool use in RL (`rollout.generate_fn`, multiturn.py): Python functions as tools.
+
+    # weather_tools.py
+    from miles.rollout.tool_agent import tool_agent
+
+    def get_weather(city: str) -> str:
+        \"\"\"The weather in a city.
+
+        Args:
+            city: the city's name
+        \"\"\"
+        return "18 C, sunny"
+
+    generate = tool_agent([get_weather], max_turns=4)
+
+    miles train recipe=... rollout.generate_fn=weather_tools.py:generate
+
+The prompt (its chat messages, or its text as one user message) is rendered with the tools by the model's
+chat template (transformers' `get_json_schema` turns each function's type hints and Google-style docstring
+into its schema). Each model turn runs to its end; the `<tool_call>` blocks of its text (tool_calls.py: the
+format of Qwen's templates) are run, and the tool turns the template renders after the assistant's are
+appended as environment tokens (`loss_mask` 0), then the model goes on, for up to `max_turns` model turns.
+A tool runs in a thread (`asyncio.to_thread`) with a time limit; an unknown tool, bad arguments, an exception
+or a timeout becomes the tool's answer ("error: ..."), as an agent framework would tell the model, not a
+failed sample. (A sync tool past its time limit keeps its worker thread until it returns: Python cannot stop
+a thread; give a tool that may hang its own timeout.) Tools are the user's own code, run in the trainer's process like reward plugins; untrusted
+code belongs in the code-reward sandbox (rewards/sandbox.py), not here.
+
+The environment's tokens are what the template adds between the conversation with the assistant's turn
+and the conversation with the tool turns (and the next generation prompt): the template's rendering of the
+assistant's turn itself is not used, the model's own tokens stay, so the trained tokens are exactly the
+sampled ones. `metadata["tool_calls"]` counts the calls made, `metadata["tool_errors"]` those that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from miles.rollout.multiturn import EngineClient, GenerateFn, Trajectory
+from miles.rollout.params import SamplingParams
+from miles.rollout.tool_calls import ToolCall, parse_reply, template_renders_tools
+from miles.sample import Sample, SampleStatus
+
+
+def tool_agent(
+    tools: list[Callable[..., Any]],
+    max_turns: int = 4,
+    tool_timeout_s: float = 30.0,
+    system_prompt: str | None = None,
+) -> GenerateFn:
+    """A generate plugin that lets the model call `tools` (plain Python functions, sync or async, each with
+    type hints and a docstring describing its arguments) for up to `max_turns` model turns. `system_prompt`
+    opens a prompt that has no system message (the plugin renders the prompt itself, with the tools)."""
+    from transformers.utils import get_json_schema
+
+    if max_turns < 1 or tool_timeout_s <= 0:
+        raise ValueError("tool_agent needs max_turns >= 1 and tool_timeout_s > 0")
+    by_name = {tool.__name__: tool for tool in tools}
+    if len(by_name) != len(tools):
+        raise ValueError("tool_agent: two tools share a name")
+    schemas = [get_json_schema(tool) for tool in tools]  # raises, naming what a docstring lacks
+    checked: dict[int, bool] = {}
+
+    async def generate(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        tokenizer = client.tokenizer
+        if not checked.setdefault(id(tokenizer), tokenizer is not None and template_renders_tools(tokenizer)):
+            raise ValueError(
+                "tool_agent needs a tokenizer whose chat template renders tools in the <tool_call> format "
+                "(Qwen2.5, Qwen3, Hermes)"
+            )
+        messages = _prompt_messages(sample.prompt, system_prompt)
+
+        def render(conversation: list[dict[str, Any]], generation_prompt: bool) -> str:
+            return tokenizer.apply_chat_template(
+                conversation, tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
+            )
+
+        prompt = replace(sample, prompt_ids=client.encode(render(messages, True)))
+        traj, calls, errors = Trajectory(prompt), 0, 0
+        for _ in range(max_turns):
+            turn = await client.generate(traj.ids, params)
+            traj.add_turn(turn)
+            reply = parse_reply(turn.response_text)
+            if not reply.calls or turn.status != SampleStatus.COMPLETED:
+                break  # an answer, the length cap, or the end of the context
+            answers = [await _run(by_name, call, tool_timeout_s) for call in reply.calls]
+            calls += len(answers)
+            errors += sum(failed for _, failed in answers)
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": reply.content or "",
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in reply.calls
+                    ],
+                }
+            )
+            before = render(messages, False).rstrip()  # the model's turn ended with its end-of-turn token
+            messages += [
+                {"role": "tool", "name": c.name, "content": a} for c, (a, _) in zip(reply.calls, answers)
+            ]
+            after = render(messages, True)
+            if not after.startswith(before):
+                raise ValueError("the chat template renders an earlier turn differently once tools answered")
+            traj.add_tokens(client.encode(after[len(before) :]))
+        out = traj.to_sample(tokenizer)
+        out.metadata.update(tool_calls=calls, tool_errors=errors)
+        return out
+
+    return generate
+
+
+def _prompt_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, Any]]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt and (not messages or messages[0].get("role") != "system"):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+async def _run(tools: dict[str, Callable[..., Any]], call: ToolCall, timeout_s: float) -> tuple[str, bool]:
+    """(the tool's answer as text, whether it failed)."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}", True
+    try:
+        if asyncio.iscoroutinefunction(tool):
+            result = await asyncio.wait_for(tool(**call.arguments), timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(tool, **call.arguments), timeout_s)
+    except TimeoutError:
+        return f"error: {call.name} took longer than {timeout_s:g} s", True
+    except Exception as err:  # a bad argument or the tool's own failure: the model is told, as an agent is
+        return f"error: {type(err).__name__}: {err}", True
+    return (result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)), False

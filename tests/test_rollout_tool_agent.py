@@ -1,0 +1,165 @@
+"""The tool-use generate plugin (rollout/tool_agent.py): the model's `<tool_call>` blocks run Python tools, and
+the template's tool turns go back as environment tokens, with the model's own tokens trained on."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any
+
+import pytest
+from test_rollout_tool_calls import TOOL_TEMPLATE
+
+from miles.config import RolloutConfig
+from miles.model_io import load_model
+from miles.rollout import Engine, SamplingParams
+from miles.rollout.multiturn import MultiTurnRollout
+from miles.rollout.tool_agent import tool_agent
+from miles.sample import Sample, SampleStatus
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city.
+
+    Args:
+        city: the city's name
+    """
+    if city == "Atlantis":
+        raise LookupError("no such city")
+    return f"18 C in {city}"
+
+
+async def add(a: int, b: int) -> dict:
+    """Adds two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return {"sum": a + b}
+
+
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    tokenizer = copy.deepcopy(load_model("builtin:tiny_moe_math").tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+class ScriptedClient:
+    """The plugin's engine client, answering each turn with the next scripted reply (as the model's tokens,
+    with made-up logprobs), so the conversation's tokens can be checked."""
+
+    def __init__(self, tokenizer: Any, replies: list[str], max_context: int = 100_000) -> None:
+        self.tokenizer, self.replies, self.max_context = tokenizer, list(replies), max_context
+        self.prompts: list[list[int]] = []
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
+        self.prompts.append(list(prompt_ids))
+        text = self.replies.pop(0)
+        ids = self.encode(text + "<|im_end|>")
+        return Sample(
+            prompt_ids=prompt_ids,
+            response_ids=ids,
+            response_text=text,
+            rollout_logprobs=[-0.5] * len(ids),
+            status=SampleStatus.COMPLETED,
+        )
+
+
+def test_calls_run_and_their_answers_go_back_as_environment_tokens(tokenizer: Any) -> None:
+    replies = [
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Atlantis"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "fly", "arguments": {}}\n</tool_call>',
+        "It is 18 C in Paris and 2 + 3 = 5.",
+    ]
+    client = ScriptedClient(tokenizer, replies)
+    generate = tool_agent([get_weather, add], max_turns=4, system_prompt="Use the tools.")
+    sample = Sample(prompt="Weather in Paris, and 2 + 3?", prompt_ids=[1, 2, 3])
+    out = asyncio.run(generate(client, sample, SamplingParams(temperature=1.0)))
+    decode = tokenizer.decode
+    first = decode(client.prompts[0])
+    assert first.startswith("<|im_start|>system\nTools:") and '"name": "get_weather"' in first
+    assert '"description": "The weather in a city."' in first and "Use the tools.<|im_end|>" in first
+    assert first.endswith("<|im_start|>user\nWeather in Paris, and 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert out.prompt_ids == client.prompts[0] and out.metadata["turns"] == 3
+    assert out.metadata["tool_calls"] == 4 and out.metadata["tool_errors"] == 2
+    # Each turn's prompt is the conversation so far: the model's tokens, then the tool turns.
+    assert (
+        client.prompts[1] == out.prompt_ids + out.response_ids[: len(client.prompts[1]) - len(out.prompt_ids)]
+    )
+    response = decode(out.response_ids)
+    answers = [
+        "<tool_response>\n18 C in Paris\n</tool_response>",
+        '<tool_response>\n{"sum": 5}\n</tool_response>',
+        "<tool_response>\nerror: LookupError: no such city\n</tool_response>",
+        "<tool_response>\nerror: no tool named 'fly'; the tools are add, get_weather\n</tool_response>",
+    ]
+    for answer in answers:
+        assert answer in response
+    assert response.endswith("It is 18 C in Paris and 2 + 3 = 5.<|im_end|>")
+    # Trained: exactly the model's tokens, with their logprobs; the tool turns are masked.
+    trained = [t for t, m in zip(out.response_ids, out.loss_mask) if m]
+    assert trained == [t for r in replies for t in client.encode(r + "<|im_end|>")]
+    assert all(lp == -0.5 for lp, m in zip(out.rollout_logprobs, out.loss_mask) if m)
+    masked = decode([t for t, m in zip(out.response_ids, out.loss_mask) if not m])
+    assert masked.startswith("\n<|im_start|>user\n<tool_response>") and masked.endswith(
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_turns_end_at_max_turns_and_a_slow_tool_times_out(tokenizer: Any) -> None:
+    call = '<tool_call>\n{"name": "slow", "arguments": {"seconds": 1}}\n</tool_call>'
+    client = ScriptedClient(tokenizer, [call, call, "never asked"])
+    generate = tool_agent([slow], max_turns=2, tool_timeout_s=0.05)
+    out = asyncio.run(generate(client, Sample(prompt="go"), SamplingParams()))
+    assert out.metadata["turns"] == 2 and out.metadata["tool_errors"] == 2 and len(client.replies) == 1
+    assert "error: slow took longer than 0.05 s" in tokenizer.decode(out.response_ids)
+
+
+def test_bad_setups_are_refused_with_what_to_do(tokenizer: Any) -> None:
+    def undocumented(x):  # noqa: ANN001, ANN202
+        return x
+
+    with pytest.raises(Exception, match="type hint|docstring|description"):
+        tool_agent([undocumented])
+    with pytest.raises(ValueError, match="max_turns"):
+        tool_agent([get_weather], max_turns=0)
+    plain = load_model("builtin:tiny_moe_math").tokenizer  # ChatML without tools
+    with pytest.raises(ValueError, match="<tool_call> format"):
+        asyncio.run(
+            tool_agent([get_weather])(ScriptedClient(plain, ["x"]), Sample(prompt="hi"), SamplingParams())
+        )
+
+
+def test_the_plugin_runs_on_the_engine(tokenizer: Any) -> None:
+    """On the real engine (the tiny model calls no tools, so each sample is one turn), through the
+    multi-turn driver the loop uses."""
+    loaded = load_model("builtin:tiny_moe_math")
+    engine = Engine(loaded.model, tokenizer, RolloutConfig(kv_cache_bytes=16 * 1024 * 1024))
+    rollout = MultiTurnRollout(engine, tool_agent([get_weather, add]))
+    prompts = [
+        Sample(prompt="What is 2 + 3?", prompt_ids=[5]),
+        Sample(prompt=[{"role": "user", "content": "Hi"}]),
+    ]
+    out = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=12, seed=3))
+    assert len(out) == 4 and all(s.status != SampleStatus.ABORTED for s in out), [s.metadata for s in out]
+    for s in out:
+        assert '"name": "get_weather"' in tokenizer.decode(s.prompt_ids)
+        assert s.metadata["turns"] == 1 and s.metadata["tool_calls"] == 0 and all(s.loss_mask)
