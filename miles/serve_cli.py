@@ -32,6 +32,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--request-timeout-s", type=float, default=3600.0, help="a request waiting longer: 504"
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek_r1"],
+        default=None,
+        help="return a chat reply's <think> block as reasoning_content (default: left in the content)",
+    )
     args = parser.parse_args(argv)
 
     from miles.data import PromptFormatter
@@ -64,6 +70,7 @@ def main(argv: list[str]) -> int:
             args.port,
             api_key,
             args.request_timeout_s,
+            args.reasoning_parser,
         )
     except OSError as err:
         raise MilesUserError(

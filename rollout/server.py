@@ -15,7 +15,8 @@ the engine's convention, docs/rollout.md), with up to 20 alternatives per token 
 last characters while a stop string could still take them back; a client that hangs up stops its
 generation. Chat completions take `tools` (with `tool_choice` "auto" or "none", and `parallel_tool_calls`),
 `tool_calls` in assistant messages and `tool` messages, and return the model's calls as `tool_calls`, streamed
-or not, where the model's chat template renders tools in Qwen's `<tool_call>` format (tool_calls.py). Not
+or not, where the model's chat template renders tools in Qwen's `<tool_call>` format (tool_calls.py); with a
+reasoning parser, a thinking model's `<think>` block comes back as `reasoning_content` (reasoning.py). Not
 supported, and refused with a 400 rather than ignored: `echo`, `suffix`, `best_of` > 1, logprobs or token ids
 with streaming, non-zero `frequency_penalty` / `presence_penalty`, `logit_bias`, a forced tool call
 (`tool_choice` "required" or a named function), the legacy `functions` / `function_call`, and
@@ -43,14 +44,14 @@ from typing import Any
 
 import torch
 
+from miles.rollout.chat_reply import ReplyFormat, ReplyStream, reply_message
 from miles.rollout.params import SamplingParams
+from miles.rollout.reasoning import prompt_opens_thinking
 from miles.rollout.sampling import MAX_TOP_LOGPROBS
 from miles.rollout.tool_calls import (
-    ToolCallStream,
     ToolError,
     check_tool_choice,
     check_tools,
-    parse_reply,
     template_messages,
     template_renders_tools,
 )
@@ -59,6 +60,8 @@ from miles.sample import Sample, SampleStatus
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+"""Both write their thinking between `<think>` and `</think>` (reasoning.py)."""
 _FINISH = {SampleStatus.COMPLETED: "stop", SampleStatus.TRUNCATED: "length"}
 
 
@@ -132,7 +135,13 @@ class EngineServer:
         port: int = 8000,
         api_key: str | None = None,
         request_timeout_s: float = 3600.0,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """`reasoning_parser`: "qwen3" (or "deepseek_r1", the same `<think>` tags) splits chat replies'
+        thinking off as `reasoning_content` (reasoning.py); None leaves it in the content."""
+        if reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; use one of {REASONING_PARSERS}")
+        self.reasoning = reasoning_parser is not None
         self.engine, self.formatter, self.model_name = engine, formatter, model_name
         self.api_key = api_key or None
         self.request_timeout_s = request_timeout_s
@@ -377,21 +386,19 @@ class EngineServer:
             )
         messages, tools, parse_calls = self._tools(body, messages)
         prompts = [self.on_engine(lambda: self.formatter.ids(messages, tools))]
+        fmt = ReplyFormat(
+            reasoning=self.reasoning,
+            thinking=self.reasoning and self.on_engine(lambda: self._opens_thinking(prompts[0])),
+            tool_calls=parse_calls,
+            call_limit=1 if body.get("parallel_tool_calls") is False else None,
+        )
         if body.get("stream"):
-            return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl", parse_calls)
+            return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl", fmt)
         job = self._generate(prompts, body, default_max_tokens=None)
         choices = []
         for index in range(job.params.n):
             sample = job.results[0, index]
-            message: dict[str, Any] = {"role": "assistant", "content": sample.response_text}
-            finish = _FINISH[sample.status]
-            if parse_calls:
-                reply = parse_reply(sample.response_text)
-                calls = reply.calls[: _call_limit(body)]
-                message["content"] = reply.content
-                if calls:
-                    message["tool_calls"] = [call.to_openai() for call in calls]
-                    finish = "tool_calls" if finish == "stop" else finish
+            message, finish = reply_message(sample.response_text, _FINISH[sample.status], fmt)
             choice: dict[str, Any] = {
                 "index": index,
                 "message": message,
@@ -436,6 +443,9 @@ class EngineServer:
             return template_messages(messages), tools if parse_calls else None, parse_calls
         except ToolError as err:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(err)) from None
+
+    def _opens_thinking(self, prompt_ids: list[int]) -> bool:
+        return prompt_opens_thinking(self.engine.tokenizer.decode(prompt_ids[-8:]))
 
     def _check_renders_tools(self) -> bool:
         if self._renders_tools is None:
@@ -496,10 +506,10 @@ class EngineServer:
         default_max_tokens: int | None,
         kind: str,
         prefix: str,
-        parse_calls: bool = False,
+        fmt: ReplyFormat | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Server-sent events: the text of each choice as it is generated (OpenAI's chunk objects); with
-        `parse_calls`, the text before a choice's first tool call as it comes, its calls when it ends."""
+        """Server-sent events: the text of each choice as it is generated (OpenAI's chunk objects); a chat
+        reply's as `fmt` says (chat_reply.py)."""
         if self.engine.tokenizer is None:
             raise RequestError(HTTPStatus.BAD_REQUEST, "streaming needs a tokenizer; send stream=false")
         if body.get("logprobs") not in (None, False, 0) or body.get("return_token_ids"):
@@ -513,21 +523,14 @@ class EngineServer:
         job = _Job(prompts, params, events=queue.Queue())
         self._jobs.put(job)
         options = body.get("stream_options") or {}
-        include_usage = bool(options.get("include_usage"))
-        return self._events(job, kind, prefix, include_usage, parse_calls, _call_limit(body))
+        return self._events(job, kind, prefix, bool(options.get("include_usage")), fmt or ReplyFormat())
 
     def _events(
-        self,
-        job: _Job,
-        kind: str,
-        prefix: str,
-        include_usage: bool,
-        parse_calls: bool = False,
-        call_limit: int | None = None,
+        self, job: _Job, kind: str, prefix: str, include_usage: bool, fmt: ReplyFormat
     ) -> Iterator[dict[str, Any]]:
         ident, created, n = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), job.params.n
         chat = kind == "chat.completion.chunk"
-        streams: dict[int, ToolCallStream] | None = {} if parse_calls else None
+        replies: dict[int, ReplyStream] = {}
 
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {
@@ -559,21 +562,8 @@ class EngineServer:
                     break
                 position, index, text, finish = event
                 if chat:
-                    delta: dict[str, Any] = {}
-                    if streams is not None:
-                        stream = streams.setdefault(position * n + index, ToolCallStream())
-                        text = stream.feed(text)
-                        if finish is not None:
-                            reply = stream.finish()
-                            text += reply.content or ""
-                            if reply.calls:
-                                delta["tool_calls"] = [
-                                    {"index": i, **call.to_openai()}
-                                    for i, call in enumerate(reply.calls[:call_limit])
-                                ]
-                                finish = "tool_calls" if finish == "stop" else finish
-                    if text:
-                        delta = {"content": text, **delta}
+                    reply = replies.setdefault(position * n + index, ReplyStream(fmt))
+                    delta, finish = reply.delta(text, finish)
                     if delta or finish is not None:
                         yield chunk(
                             [{"index": position * n + index, "delta": delta, "finish_reason": finish}]
@@ -625,11 +615,6 @@ def _usage(job: _Job) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
-
-
-def _call_limit(body: dict[str, Any]) -> int | None:
-    """How many of a reply's tool calls go back: the first only with `parallel_tool_calls: false`."""
-    return 1 if body.get("parallel_tool_calls") is False else None
 
 
 def _add_token_ids(choice: dict[str, Any], sample: Sample) -> None:

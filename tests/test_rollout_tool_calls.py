@@ -1,5 +1,6 @@
-"""Tool calling in `miles serve` (rollout/tool_calls.py): tools rendered by the chat template, `<tool_call>`
-blocks parsed back into OpenAI's `tool_calls`, the same calls and content streamed or not."""
+"""Tool calling and reasoning in `miles serve` (rollout/tool_calls.py, reasoning.py, chat_reply.py): tools
+rendered by the chat template, `<tool_call>` blocks parsed back into OpenAI's `tool_calls`, `<think>` blocks
+split off as `reasoning_content`, the same message streamed or not."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from miles.config import DataConfig, RolloutConfig
 from miles.data import PromptFormatter
 from miles.model_io import load_model
 from miles.rollout import Engine, SamplingParams
+from miles.rollout.chat_reply import ReplyFormat, ReplyStream, reply_message
+from miles.rollout.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
 from miles.rollout.server import EngineServer, _Job
 from miles.rollout.tool_calls import (
     ToolCallStream,
@@ -263,7 +266,9 @@ def test_a_reply_s_calls_come_back_as_tool_calls(tool_server: EngineServer, monk
             job.events.put((0, 0, piece, None))
         job.events.put((0, 0, pieces[-1], "stop"))
         job.events.put(None)
-        chunks = list(tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, parse_calls=True))
+        chunks = list(
+            tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, ReplyFormat(tool_calls=True))
+        )
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
         content = "".join(d["delta"].get("content", "") for d in deltas)
         streamed = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
@@ -301,3 +306,91 @@ def loaded_server_plain() -> Iterator[EngineServer]:
     server.start()
     yield server
     server.shutdown()
+
+
+THOUGHTS = [
+    "<think>\nThe user wants the weather.\n</think>\n\nIt is sunny.",
+    '<think>\nA tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "<think>\nStill thinking when the length cap came",
+    "No thinking. </think> is just text here.",
+    "  <thi",
+    "Thought without the opening tag.</think>The answer.",
+]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_thinking_is_split_off_and_streams_in_pieces_that_add_up(thinking: bool) -> None:
+    """`split_reasoning` and `ReasoningStream` (reasoning.py); `thinking`: the prompt opened the block."""
+    assert split_reasoning(THOUGHTS[0]) == ("The user wants the weather.", "It is sunny.")
+    assert split_reasoning(THOUGHTS[2]) == ("Still thinking when the length cap came", "")
+    assert split_reasoning(THOUGHTS[3]) == (None, THOUGHTS[3])
+    assert split_reasoning(THOUGHTS[5]) == (None, THOUGHTS[5])
+    assert split_reasoning(THOUGHTS[5], thinking=True) == ("Thought without the opening tag.", "The answer.")
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n") and not prompt_opens_thinking("x")
+    rng = random.Random(int(thinking))
+    for text in THOUGHTS:
+        for split in range(3):
+            stream, thought, content = ReasoningStream(thinking), "", ""
+            cuts = sorted(rng.sample(range(len(text) + 1), min(split * 4, len(text) + 1))) if split else []
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] if split else list(text)
+            for piece in pieces:
+                more, rest = stream.feed(piece)
+                thought, content = thought + more, content + rest
+                assert "</think" not in thought and (
+                    "<think>" not in content or not text.lstrip().startswith("<")
+                )
+            more, rest = stream.finish()
+            reasoning, want = split_reasoning(text, thinking)
+            assert (thought + more, content + rest) == (reasoning or "", want), (text, pieces)
+
+
+def test_a_reply_s_thinking_and_calls_stream_as_the_whole_message() -> None:
+    """`reply_message` and `ReplyStream` (chat_reply.py), reasoning and tools together."""
+    fmt = ReplyFormat(reasoning=True, tool_calls=True)
+    for text in [*THOUGHTS, *REPLIES]:
+        message, finish = reply_message(text, "stop", fmt)
+        stream, got = ReplyStream(fmt), {"reasoning_content": "", "content": ""}
+        calls, end = [], None
+        pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
+        for i, piece in enumerate(pieces):
+            delta, end = stream.delta(piece, "stop" if i == len(pieces) - 1 else None)
+            got["reasoning_content"] += delta.get("reasoning_content", "")
+            got["content"] += delta.get("content", "")
+            calls += delta.get("tool_calls", [])
+        assert end == finish and (got["reasoning_content"] or None) == message["reasoning_content"]
+        assert (got["content"] or None) == message["content"]
+        assert [c["function"] for c in calls] == [c["function"] for c in message.get("tool_calls", [])]
+    message, finish = reply_message(THOUGHTS[1], "stop", fmt)
+    assert message["reasoning_content"] == "A tool." and message["content"] is None and finish == "tool_calls"
+    assert reply_message(THOUGHTS[0], "stop", ReplyFormat()) == (
+        {"role": "assistant", "content": THOUGHTS[0]},
+        "stop",
+    )
+
+
+def test_the_server_splits_thinking_when_asked(monkeypatch: Any) -> None:
+    loaded = load_model("builtin:tiny_moe_math")
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE.replace(
+        "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    engine = Engine(loaded.model, tokenizer, RolloutConfig(kv_cache_bytes=16 * 1024 * 1024))
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        EngineServer(engine, PromptFormatter(tokenizer, DataConfig()), "tiny", port=0, reasoning_parser="r2")
+    server = EngineServer(
+        engine, PromptFormatter(tokenizer, DataConfig()), "tiny", port=0, reasoning_parser="qwen3"
+    )
+    server.start()
+    try:
+        replying(monkeypatch, "The template opened the block.\n</think>\n\nSunny.")
+        status, out = call(
+            server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather?"}]}
+        )
+        assert status == 200, out
+        message = out["choices"][0]["message"]
+        assert (
+            message["reasoning_content"] == "The template opened the block."
+            and message["content"] == "Sunny."
+        )
+    finally:
+        server.shutdown()
