@@ -445,7 +445,7 @@ class EngineServer:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(err)) from None
 
     def _opens_thinking(self, prompt_ids: list[int]) -> bool:
-        return prompt_opens_thinking(self.engine.tokenizer.decode(prompt_ids[-8:]))
+        return prompt_opens_thinking(self.engine.tokenizer.decode(prompt_ids[-16:]))
 
     def _check_renders_tools(self) -> bool:
         if self._renders_tools is None:
