@@ -13,6 +13,8 @@ split (`ReasoningStream`).
 
 from __future__ import annotations
 
+from miles.rollout.tool_calls import partial_tag
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -59,10 +61,7 @@ class ReasoningStream:
 
     def _safe(self) -> str:
         """The text less a tail that may be the start of `</think>`."""
-        for size in range(min(len(THINK_END) - 1, len(self.text)), 0, -1):
-            if THINK_END.startswith(self.text[-size:]):
-                return self.text[:-size]
-        return self.text
+        return self.text[: len(self.text) - partial_tag(self.text, THINK_END)]
 
     def _send(self, reasoning: str | None, content: str) -> tuple[str, str]:
         reasoning = reasoning or ""

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from miles.config import DataConfig
+from miles.data import PromptFormatter
 from miles.rollout.multiturn import EngineClient, GenerateFn, Trajectory
 from miles.rollout.params import SamplingParams
 from miles.rollout.tool_calls import ToolCall, parse_reply, template_renders_tools
@@ -64,6 +66,7 @@ def tool_agent(
         raise ValueError("tool_agent: two tools share a name")
     schemas = [get_json_schema(tool) for tool in tools]  # raises, naming what a docstring lacks
     checked: dict[int, bool] = {}
+    prompts = PromptFormatter(None, DataConfig(system_prompt=system_prompt))  # its messages() only
 
     async def generate(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
         tokenizer = client.tokenizer
@@ -72,7 +75,7 @@ def tool_agent(
                 "tool_agent needs a tokenizer whose chat template renders tools in the <tool_call> format "
                 "(Qwen2.5, Qwen3, Hermes)"
             )
-        messages = _prompt_messages(sample.prompt, system_prompt)
+        messages = prompts.messages(sample.prompt)
 
         def render(conversation: list[dict[str, Any]], generation_prompt: bool) -> str:
             return tokenizer.apply_chat_template(
@@ -113,13 +116,6 @@ def tool_agent(
         return out
 
     return generate
-
-
-def _prompt_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, Any]]:
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    if system_prompt and (not messages or messages[0].get("role") != "system"):
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return messages
 
 
 async def _run(tools: dict[str, Callable[..., Any]], call: ToolCall, timeout_s: float) -> tuple[str, bool]:

@@ -187,7 +187,7 @@ class ToolCallStream:
         self.text += piece
         self.call_at = cut = self.text.find(CALL_START, start)
         if cut < 0:  # hold back a tail that may be the start of a call's tag
-            cut = len(self.text) - _partial_tag(self.text)
+            cut = len(self.text) - partial_tag(self.text, CALL_START)
         safe = self.text[:cut].strip()
         new = safe[len(self.sent) :]
         self.sent = safe
@@ -201,9 +201,9 @@ class ToolCallStream:
         return ParsedReply(content[len(self.sent) :] or None, reply.calls)
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `<tool_call>`."""
-    for size in range(min(len(CALL_START) - 1, len(text)), 0, -1):
-        if CALL_START.startswith(text[-size:]):
+def partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `tag` (what a stream holds back)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
