@@ -173,8 +173,7 @@ def resume_run(
     if dp.rank < len(engine_state) and engine_state[dp.rank]:
         engine.load_state_dict(engine_state[dp.rank])
     if tracker is not None:
-        records = read_records(folder.parent.parent)  # checkpoints/step_N/ -> the run folder
-        tracker.carry_over([r for r in records if r.get("step", state.step + 1) <= state.step])
+        tracker.carry_over(folder.parent.parent, state.step)  # checkpoints/step_N/ -> the run folder
     restore_rng(state)
     log.info("resumed from %s (step %d)", folder, state.step)
     return state.step

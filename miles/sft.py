@@ -84,7 +84,29 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     order: list[int] = []
     last: dict[str, float] = {}
     engine, rewards = None, None
+    # As the RL loop: at the start, every eval_every steps and at the end; never with eval_every=0.
+    eval_on = bool(cfg.trainer.eval_every and test_prompts)
+
+    def run_eval(step: int) -> dict[str, float]:
+        nonlocal engine, rewards
+        copy_policy_into(policy, model)
+        if engine is None:
+            # its KV pool leaves the updates' gradients (and AdamW's moments before the first) free
+            engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes())
+            rewards = RewardRunner(cfg.reward)
+        engine.update_weights([], step)
+        eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+        prompts = dp.shard(test_prompts)
+        eval_metrics, _ = evaluate(
+            engine.generate, rewards, prompts, eval_tokens, eos, list(cfg.rollout.stop)
+        )
+        return reduce_metrics(dp, eval_metrics, eval_metrics.get("eval/num_samples", len(prompts)))
+
     try:
+        if eval_on:
+            start_metrics = run_eval(0)
+            if tracker is not None:
+                tracker.log_step(0, {**start_metrics, "data/dropped_prompts": float(inputs.dropped_prompts)})
         for step in range(1, steps + 1):
             start = time.perf_counter()
             if len(order) < batch:
@@ -98,26 +120,10 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
             saving = (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or (
                 is_last and cfg.trainer.save_final
             )
-            evaluating = test_prompts and (
-                (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or is_last
-            )
-            if saving or evaluating:
+            if eval_on and (step % cfg.trainer.eval_every == 0 or is_last):
+                metrics.update(run_eval(step))  # (copies the trainer's weights into `model` too)
+            elif saving:
                 copy_policy_into(policy, model)
-            if evaluating:
-                if engine is None:
-                    # its KV pool leaves the next updates' gradients free
-                    engine = Engine(
-                        model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes()
-                    )
-                    rewards = RewardRunner(cfg.reward)
-                engine.update_weights([], step)
-                eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-                prompts = dp.shard(test_prompts)
-                eval_metrics, _ = evaluate(
-                    engine.generate, rewards, prompts, eval_tokens, eos, list(cfg.rollout.stop)
-                )
-                weight = eval_metrics.get("eval/num_samples", len(prompts))
-                metrics.update(reduce_metrics(dp, eval_metrics, weight))
             if saving and dp.is_main:
                 save_checkpoint(model, tokenizer, run_dir, step, keep_last=cfg.trainer.keep_last)
             if tracker is not None:

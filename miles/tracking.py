@@ -1,6 +1,7 @@
 """Run tracking: metrics.jsonl, samples.jsonl, W&B (offline without an API key), plots, a progress bar.
 
-Every write is append-and-flush, so a crash loses at most the step in flight.
+Every write is append-and-flush, so a crash loses at most the step in flight; a resume into the run's own
+folder rewrites the files whole, through a temporary file, so a crash leaves the old or the new version.
 """
 
 from __future__ import annotations
@@ -124,12 +125,26 @@ class Tracker:
         if self.cfg.plot_every and (step % self.cfg.plot_every == 0 or step == self.total_steps):
             self.plot()
 
-    def carry_over(self, records: list[dict[str, Any]]) -> None:
-        """A resumed run's earlier steps (the interrupted run's records): into this run's metrics.jsonl and
-        plot, not W&B (the interrupted run's W&B run, which this one goes on with, has them)."""
-        for record in records:
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.history.append(record)
+    def carry_over(self, source_dir: Path, step: int) -> None:
+        """A resumed run's earlier steps: the records of `source_dir` (the interrupted run's folder) up to
+        `step` (its checkpoint's), into this run's metrics.jsonl and plot, not W&B (the interrupted run's W&B
+        run, which this one goes on with, has them). Call it before this run logs anything.
+
+        Resumed into its own folder, the files already hold those records and the ones past `step`, which
+        this run will log again: metrics.jsonl and samples.jsonl are cut back to `step` instead."""
+        records = [r for r in read_records(source_dir) if r.get("step", step + 1) <= step]
+        self.history.extend(records)
+        if source_dir.resolve() != self.run_dir.resolve():
+            for record in records:
+                self.metrics_file.write(json.dumps(record) + "\n")
+            return
+        self.metrics_file.close()
+        _replace_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.samples_file.close()
+        samples = self.run_dir / "samples.jsonl"
+        _replace_text(samples, "".join(_rows_up_to(samples, step)))
+        self.samples_file = open(samples, "a", buffering=1)
 
     def log_samples(self, step: int, samples: list[Sample]) -> None:
         for sample in samples[: self.cfg.samples_per_step]:
@@ -184,6 +199,30 @@ class Tracker:
                 self.wandb_run.finish()
             except Exception as e:
                 log.warning("W&B finish failed: %s", e)
+
+
+def _rows_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a jsonl file whose row has a step <= `step` (a line cut short by a crash is dropped)."""
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step", step + 1) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` whole through a temporary file, so that a crash leaves either version, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def redact(config: dict[str, Any]) -> dict[str, Any]:

@@ -255,6 +255,88 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
     assert out.returncode == 2 and f"model.path={step2}" in out.stderr, out.stderr[-2000:]
 
 
+def test_a_run_resumed_into_its_own_folder_logs_each_step_once(tmp_path: Path) -> None:
+    """Resumed from its step-1 checkpoint into its own run folder, a run's metrics.jsonl and samples.jsonl
+    keep the records up to step 1 and then hold the resumed steps, each step once."""
+    run = tmp_path / "run"
+    common = [
+        "recipe=grpo_math",
+        "trainer.max_steps=3",
+        "trainer.save_every=1",
+        "trainer.eval_every=0",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "trainer.global_batch_size=4",
+    ]
+
+    def rows(name: str) -> list[dict]:
+        return [json.loads(line) for line in (run / name).read_text().splitlines()]
+
+    out = run_miles(tmp_path, *common, run_dir=run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first_metrics, first_samples = rows("metrics.jsonl"), rows("samples.jsonl")
+    step1 = run / "checkpoints" / "step_000001"
+    out = run_miles(tmp_path, *common, f"trainer.resume_from={step1}", run_dir=run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics, samples = rows("metrics.jsonl"), rows("samples.jsonl")
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert [r["step"] for r in samples] == [r["step"] for r in first_samples] == [1] * 4 + [2] * 4 + [3] * 4
+    assert metrics[0] == first_metrics[0] and samples[:4] == first_samples[:4]
+    for mine, theirs in zip(metrics[1:], first_metrics[1:], strict=True):  # the resumed run's own steps
+        assert mine["reward/mean"] == theirs["reward/mean"] and mine["time/step"] != theirs["time/step"]
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_sft_evaluates_as_the_rl_loop_does(tmp_path: Path) -> None:
+    """SFT's held-out eval: at the start (step 0), every eval_every steps and at the end; never with
+    trainer.eval_every=0."""
+    common = ["recipe=sft_math", "trainer.max_steps=2", "data.test_size=8", "trainer.save_final=false"]
+    evaluated = {}
+    for every in (0, 5):
+        run = tmp_path / f"every{every}"
+        out = run_miles(tmp_path, *common, f"trainer.eval_every={every}", run_dir=run)
+        assert out.returncode == 0, out.stderr[-3000:]
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        evaluated[every] = [(r["step"], "eval/accuracy" in r) for r in records]
+    assert evaluated[0] == [(1, False), (2, False)]
+    assert evaluated[5] == [(0, True), (1, False), (2, True)]
+
+
+def test_a_checkpoint_is_fsynced_before_and_after_its_rename(tmp_path: Path, monkeypatch) -> None:
+    """Every file and folder of a checkpoint reaches the disk under its temporary name, and the parent
+    folder (holding the rename) after it: a power loss cannot leave step_N/ with empty files."""
+    from test_trainer_torch import tiny_model
+
+    from miles.loop import save_checkpoint
+
+    parent = tmp_path / "checkpoints"
+    synced: list[tuple[Path, bool]] = []  # (what was fsynced, whether the rename was done)
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        renamed = not list(parent.glob(".step_000001.tmp-*"))
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")), renamed))
+        fsync(fd)
+
+    def write_extra(folder: Path) -> None:
+        (folder / "resume").mkdir()
+        (folder / "resume" / "run_state.json").write_text("{}")
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    for _ in range(2):  # a new checkpoint, then one replacing it
+        synced.clear()
+        folder = save_checkpoint(tiny_model(), None, tmp_path, 1, write_extra)
+        in_tmp = {  # paths inside the temporary folder (an fd's path follows a rename: these came before)
+            Path(*p.parts[i + 1 :])
+            for p, renamed in synced
+            if not renamed
+            for i, part in enumerate(p.parts)
+            if part.startswith(".step_000001.tmp-")
+        }
+        assert {p.relative_to(folder) for p in folder.rglob("*")} | {Path(".")} <= in_tmp
+        assert synced[-1] == (parent, True)
+
+
 @pytest.mark.slow
 def test_sft_recipe_runs(tmp_path: Path) -> None:
     out = run_miles(

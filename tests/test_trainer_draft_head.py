@@ -5,6 +5,7 @@ head is accepted far more, the samples staying plain decoding's; a run checkpoin
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from test_loop import run_miles
 from test_trainer_draft import _config, train_between_generations
 
-from miles.config import RolloutConfig, TrainerConfig
+from miles.config import OptimConfig, RolloutConfig, TrainerConfig
 from miles.loop import prepare_inputs
 from miles.models.attention import VarlenAttention
 from miles.models.draft_head import load_draft_head, new_draft_head
@@ -221,3 +222,49 @@ def test_training_the_head_leaves_the_policy_untouched() -> None:
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.training  # its mode is given back
+
+
+def _head_trainer(lr: float, trainer: TrainerConfig | None = None) -> DraftHeadTrainer:
+    from rollout_helpers import tiny_model
+
+    model = tiny_model(False, seed=2)
+    head = new_draft_head(model.args, 24, torch.float32, torch.device("cpu"), seed=5)
+    rollout = RolloutConfig(spec_draft_tokens=2, spec_draft_train=True, spec_draft_lr=lr)
+    return DraftHeadTrainer(head, model, trainer or TrainerConfig(), rollout)
+
+
+_SAMPLE = Sample(prompt="", prompt_ids=[5, 6, 7], response_ids=[8, 9, 10, 11, 12])
+
+
+def test_a_resumed_head_trains_with_this_runs_optimizer_settings() -> None:
+    """As DraftTrainer: the checkpoint gives AdamW's moments; rollout.spec_draft_lr and the AdamW settings
+    changed for the resume apply (and `draft/lr` reports them)."""
+    first = _head_trainer(1e-3)
+    first.train_step([_SAMPLE])
+    state = first.state_dict()
+    optim = OptimConfig(weight_decay=0.1, betas=[0.5, 0.9], eps=1e-3)
+    resumed = _head_trainer(1e-5, TrainerConfig(optim=optim))
+    resumed.load_state_dict(state)
+    for group in resumed.optimizer.param_groups:
+        assert group["lr"] == 1e-5 and tuple(group["betas"]) == (0.5, 0.9) and group["eps"] == 1e-3
+    assert [g["weight_decay"] for g in resumed.optimizer.param_groups] == [0.1, 0.0]
+    saved = resumed.state_dict()["tensors"]
+    assert saved.keys() == state["tensors"].keys()
+    assert all(torch.equal(saved[k], state["tensors"][k]) for k in saved)
+    assert resumed.train_step([_SAMPLE])["draft/lr"] == 1e-5
+
+
+def test_a_non_finite_gradient_skips_the_head_step() -> None:
+    """As TorchTrainer: a NaN gradient norm skips the update (counted in `draft/skipped_steps`) instead of
+    writing NaN into the head and its AdamW moments."""
+    trainer = _head_trainer(1e-3)
+    before = [p.detach().clone() for p in trainer.head.parameters()]
+    hook = trainer.head.fc.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    metrics = trainer.train_step([_SAMPLE])
+    assert metrics["draft/skipped_steps"] == 1 and math.isnan(metrics["draft/grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.head.parameters()))
+    assert not trainer.optimizer.state and all(p.grad is None for p in trainer.params)
+    hook.remove()
+    assert trainer.train_step([_SAMPLE])["draft/skipped_steps"] == 0
+    assert all(torch.isfinite(p).all() for p in trainer.head.parameters())
+    assert not torch.equal(before[0], next(trainer.head.parameters()))

@@ -319,6 +319,29 @@ def test_optimizer_state_round_trips_through_safetensors(tmp_path) -> None:
         make_trainer(other, **copy.deepcopy(cfg)).load_state_dict(state)
 
 
+def test_resume_takes_optimizer_hyperparameters_from_the_current_config() -> None:
+    """The checkpoint gives AdamW's moments; weight_decay, betas and eps changed for the resume apply."""
+    samples = random_samples(4, seed=5)
+    sft = AlgorithmConfig(policy_loss="sft")
+    old = OptimConfig(grad_clip=0.0, weight_decay=0.0, betas=[0.9, 0.999], eps=1e-8)
+    trainer_a = make_trainer(tiny_model(), algorithm=sft, lr=1e-2, optim=old)
+    trainer_a.sft_step(samples)
+    state = trainer_a.state_dict()
+
+    new = OptimConfig(grad_clip=0.0, weight_decay=0.1, betas=[0.5, 0.9], eps=1e-3)
+    trainer_b = make_trainer(copy.deepcopy(trainer_a.model), algorithm=sft, lr=1e-2, optim=new)
+    trainer_b.load_state_dict(state)
+    hyper = [(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in trainer_b.optimizer.param_groups]
+    assert hyper == [(0.1, (0.5, 0.9), 1e-3), (0.0, (0.5, 0.9), 1e-3)]  # norms and biases: no decay
+    # ...while the per-parameter state is the checkpoint's
+    for group in trainer_b.optimizer.param_groups:
+        for param in group["params"]:
+            name = trainer_b._names[id(param)]
+            saved = state["tensors"][f"optimizer.{name}.exp_avg"]
+            assert torch.equal(trainer_b.optimizer.state[param]["exp_avg"], saved), name
+    assert trainer_b.optimizer_steps_done == 1
+
+
 def forced_routing(model: CausalLM, sample: Sample) -> tuple[list, torch.Tensor]:
     """A fixed non-top-k routing for every fed token, and the response logprobs it gives (plain forward)."""
     n, num_experts = fed_length(sample), model.args.num_experts

@@ -17,6 +17,8 @@ model's embedding and LM head are used, never trained. Data-parallel ranks sum t
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,10 @@ from miles.resume import DRAFT_HEAD_DIR
 from miles.sample import Sample, SampleStatus
 from miles.trainer.draft_trainer import check_draft_settings, draft_trainer_config
 from miles.trainer.master_weights import MasterWeights, wants_master_weights
-from miles.trainer.optim import build_optimizer
+from miles.trainer.optim import build_optimizer, set_lr
 from miles.trainer.packing import response_loss_mask
+
+logger = logging.getLogger(__name__)
 
 _LOSS_ROWS = 1024
 """Rows of [rows, vocab] logits computed at once in the loss (recomputed in the backward pass)."""
@@ -64,6 +68,8 @@ class DraftHeadTrainer:
         self.max_context = policy.args.context_length
         cfg = draft_trainer_config(trainer, rollout)
         self.grad_clip = cfg.optim.grad_clip
+        self.lr = cfg.lr
+        """Constant (draft_trainer_config): re-applied each step, so a resume's rollout.spec_draft_lr holds."""
         head.requires_grad_(True)
         self.masters = MasterWeights(head) if wants_master_weights(head, True) else None
         self.params = self.masters.masters if self.masters is not None else list(head.parameters())
@@ -200,9 +206,9 @@ class DraftHeadTrainer:
                 (part / targets).backward()
                 loss += float(part.detach())
                 agreed += float(same)
-            norm = self._step()
+            norm, skipped_step = self._step()
             loss, agreed = self.dp.all_reduce_floats([loss, agreed])
-            epochs.append((loss / targets, agreed / targets, norm, time.perf_counter() - began))
+            epochs.append((loss / targets, agreed / targets, norm, skipped_step, time.perf_counter() - began))
         self.head.eval()
         tokens = sum(len(p) + len(r) - 1 for p, r, _ in rows)
         metrics.update(
@@ -211,14 +217,17 @@ class DraftHeadTrainer:
                 "draft/loss_last_epoch": epochs[-1][0],
                 "draft/top1_agreement": epochs[0][1],
                 "draft/grad_norm": sum(e[2] for e in epochs) / len(epochs),
+                "draft/skipped_steps": float(sum(e[3] for e in epochs)),
                 "draft/lr": self.optimizer.param_groups[0]["lr"],
-                "draft/tokens_per_s": tokens * len(epochs) / max(policy_s + sum(e[3] for e in epochs), 1e-9),
+                "draft/tokens_per_s": tokens * len(epochs) / max(policy_s + sum(e[4] for e in epochs), 1e-9),
             }
         )
         return metrics
 
-    def _step(self) -> float:
-        """Sum the ranks' gradients, clip, step; returns the global gradient norm before clipping."""
+    def _step(self) -> tuple[float, bool]:
+        """Sum the ranks' gradients, clip, step; returns the global gradient norm before clipping and
+        whether the step was skipped (a non-finite norm, as TorchTrainer skips it: AdamW would write the
+        NaN into the weights and moments for good)."""
         for param in self.params:  # a rank without samples still takes part in the sums
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -227,12 +236,18 @@ class DraftHeadTrainer:
             self.dp.all_reduce(g)
         # As TorchTrainer clips: torch's own clip over the summed gradients (0 disables clipping).
         clip = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        self.optimizer.step()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        # The norm is of the summed gradients, so every rank takes the same decision.
+        skip = not math.isfinite(norm)
+        set_lr(self.optimizer, self.lr)
+        if skip:
+            logger.warning("skipping a draft head optimizer step (grad norm %s)", norm)
+        else:
+            self.optimizer.step()
+            if self.masters is not None:
+                self.masters.copy_to_model()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.masters is not None:
-            self.masters.copy_to_model()
-        return float(norm)
+        return norm, skip
 
     # state ---------------------------------------------------------------------------------------
     def save_weights(self, checkpoint: Path) -> None:
@@ -284,8 +299,8 @@ class DraftHeadTrainer:
             entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             if entry:  # load_state_dict moves them to the parameter's device
                 saved["state"][idx] = entry
-        for group, hyper in zip(saved["param_groups"], meta["param_groups"]):
-            group.update({k: v for k, v in hyper.items() if k != "params"})
+        # Only the per-parameter state is the checkpoint's: lr, betas, eps and weight_decay stay this run's
+        # (as DraftTrainer's TorchTrainer does), so settings changed for the resume take effect.
         self.optimizer.load_state_dict(saved)
 
     def _index_names(self) -> dict[int, str]:

@@ -140,6 +140,7 @@ class DraftTrainer:
                 "draft/loss": epochs[0]["train/loss"],
                 "draft/loss_last_epoch": epochs[-1]["train/loss"],
                 "draft/grad_norm": sum(m["train/grad_norm"] for m in epochs) / len(epochs),
+                "draft/skipped_steps": sum(m["train/skipped_steps"] for m in epochs),
                 "draft/lr": epochs[-1]["train/lr"],
                 "draft/tokens_per_s": sum(m["train/tokens_per_s"] for m in epochs) / len(epochs),
             }

@@ -313,14 +313,11 @@ class TorchTrainer:
                     opt_state[idx] = entry
                 indices.append(idx)
                 idx += 1
-            hyper = dict(group_meta["hyper"])
-            # How the update is computed belongs to this machine, not to the checkpoint (a GPU run's fused
-            # kernel may resume on a CPU).
-            for key in _IMPLEMENTATION_KEYS:
-                if key in current_group:
-                    hyper[key] = current_group[key]
-            if "betas" in hyper:
-                hyper["betas"] = tuple(hyper["betas"])
+            # The checkpoint gives the per-parameter state (moments, step counts); the group's
+            # hyper-parameters (weight_decay, betas, eps, ...) and how the update is computed (a GPU run's
+            # fused kernel may resume on a CPU) come from this run's config, so a setting changed for the
+            # resume takes effect (lr is re-applied each step anyway).
+            hyper = {k: v for k, v in current_group.items() if k != "params"}
             groups.append({**hyper, "params": indices})
         self.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
         self._load_masters(tensors)
@@ -647,9 +644,6 @@ class TorchTrainer:
 
 _GRAD_BUCKET_ELEMENTS = 64 * 1024 * 1024
 """Gradient elements summed across ranks in one all-reduce."""
-
-
-_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def _grad_buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -219,8 +219,9 @@ def save_pretrained(
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) atomically.
 
     The folder is assembled next to its destination and renamed into place, so a crash never leaves a
-    half-written checkpoint under the final name. `write_extra(folder)` adds files of its own (a run's
-    resume state) before the rename.
+    half-written checkpoint under the final name; its files are fsynced before the rename and the parent
+    folder after it, so a power loss cannot leave the new name on empty files either. `write_extra(folder)`
+    adds files of its own (a run's resume state) before the rename.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,17 +259,51 @@ def save_pretrained(
         if write_extra is not None:
             write_extra(tmp)
         _apply_umask(tmp)
+        # Data and folder entries on disk before the rename publishes them (a rename is ordered against
+        # neither on ext4/xfs), then the rename itself.
+        _fsync_tree(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             path.rename(old)
             tmp.rename(path)
+            _fsync_dir(path.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(path)
+            _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder (deepest first), so their entries are durable."""
+    folders = [folder]
+    for path in folder.rglob("*"):
+        if path.is_dir():
+            folders.append(path)
+        elif path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for sub in reversed(folders):
+        _fsync_dir(sub)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # no directory handles (Windows): nothing to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (network, FUSE) cannot fsync a directory; their files are synced
+        pass
+    finally:
+        os.close(fd)
 
 
 def _apply_umask(folder: Path) -> None:
