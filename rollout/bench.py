@@ -656,6 +656,7 @@ def main(argv: list[str]) -> int:
         "spec_draft_tokens": a.spec_draft_tokens if a.speculative != "off" else 0,
         "spec_accept_length": 1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0,
         "spec_draft_s": stats.spec_draft_s,
+        "spec_chained_drafts": stats.spec_chained_drafts,
         "draft_model": a.draft_model if a.speculative == "draft" else None,
         "draft_head": (a.draft_head or "new") if a.speculative == "head" else None,
         "kv_pool_tokens": engine.pool.capacity_tokens,

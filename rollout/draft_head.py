@@ -8,11 +8,18 @@ the last step has no hidden state to start from and gets no draft this step. Not
 proposals, so nothing has to be dropped when requests leave, retract, or the head's weights change. With CUDA
 graphs on, a proposal whose rows all take the plain draw, or are all greedy, replays the k steps as one graph
 (draft_head_graph.py).
+
+Behind a verify step whose requests all verified drafts of one length, the next proposal is chained on the
+device (`chain`): which drafts each request keeps is computed there from the sampled tokens, so the head
+starts from the row and token the host's acceptance will keep, without waiting for the host to read them.
+The host reads the verify step's tokens first (the proposal still runs), then the drafts with the next
+step's proposal: a proposal's host work and one device round trip leave the critical path of a step.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +34,8 @@ from miles.rollout.draft_draws import DraftDraws
 from miles.rollout.draft_head_graph import HeadProposalGraphs
 from miles.rollout.forward_batch import host_to_device
 from miles.rollout.request import Request
-from miles.rollout.sampler_graph import plain_draw
+from miles.rollout.sampler_graph import plain_draw, sample_rows
+from miles.rollout.sampling import SamplingTensors, mix_seeds, uniforms_of_mixed
 
 if TYPE_CHECKING:
     from miles.rollout.cuda_graph import CudaGraphRunner
@@ -72,6 +80,30 @@ def proposal_graphs(
     return HeadProposalGraphs(head, model, cfg.spec_draft_tokens, [b for b in graphs.buckets if b <= largest])
 
 
+@dataclass
+class ChainedDrafts:
+    """Drafts proposed on the device behind a verify step (`DraftHeadProposer.chain`)."""
+
+    rids: list[int]
+    """The verify step's requests, in row order."""
+    lengths: list[int]
+    """Their output lengths before the verify step."""
+    values: torch.Tensor
+    """[n, 1 + steps] int64, on the host once `done` has passed: the drafts each request accepted (as the
+    device counted them), then the next proposal's tokens."""
+    done: torch.cuda.Event | None
+    """Recorded after the copy to the host (CUDA); None where the copy was synchronous."""
+
+    def read(self) -> dict[int, tuple[int, list[int]]]:
+        """Request id -> (the output length the drafts follow, the drafts)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return {
+            rid: (length + 1 + row[0], row[1:])
+            for rid, length, row in zip(self.rids, self.lengths, self.values.tolist())
+        }
+
+
 class DraftHeadProposer:
     def __init__(
         self, head: DraftHead, model: CausalLM, fused_kernels: bool, graphs: HeadProposalGraphs | None = None
@@ -99,6 +131,86 @@ class DraftHeadProposer:
         self.draws += steps
         return [row[:k] for row, k in zip(drafts.tolist(), ks)]  # the one read of the proposal
 
+    def chain(
+        self,
+        hidden: torch.Tensor,
+        sampled: torch.Tensor,
+        inputs: torch.Tensor,
+        reqs: list[Request],
+        st: SamplingTensors,
+        steps: int,
+    ) -> ChainedDrafts | None:
+        """Queue the proposal that follows a verify step, before its tokens are read: `hidden` and `sampled`
+        are its [n * (1 + k), ...] sample rows' hidden states and tokens, `inputs` its input ids (each
+        request's last token, then its k drafts), `reqs` its n requests, `st` its rows' sampling settings.
+        Request i keeps its tokens up to the first sampled one that differs from its draft (engine
+        `_accept`); its next `steps` drafts start from the row that token was sampled from, drawn with the
+        uniform numbers of the response positions after it. None where no proposal is made (out of memory:
+        the next step proposes as usual)."""
+        n, device = len(reqs), self.head.device
+        width = sampled.shape[0] // n
+        try:
+            sampled, drafted = sampled.view(n, width), inputs.view(n, width)[:, 1:]
+            accepted = (sampled[:, :-1] == drafted).cumprod(dim=1).sum(dim=1)
+            last = sampled.gather(1, accepted[:, None]).squeeze(1)
+            rows = torch.arange(n, device=device) * width + accepted
+            per_request = st.rows(slice(None, None, width))
+            lengths = [len(req.output_ids) for req in reqs]
+            uniform = None
+            if not st.all_greedy:  # the positions after any number of accepted drafts, picked on the device
+                offsets = np.arange(width + steps - 1, dtype=np.uint64)
+                mixed = mix_seeds([req.seed for req in reqs])
+                after = np.asarray(lengths, dtype=np.uint64)[:, None] + np.uint64(1) + offsets[None, :]
+                every = host_to_device(uniforms_of_mixed(mixed[:, None], after), device)
+                uniform = every.gather(1, accepted[:, None] + torch.arange(steps, device=device)[None, :])
+            with fused.fused_kernels(self.fused_kernels):
+                drafts = self._replay_on_device(hidden, rows, last, per_request, uniform, steps)
+                if drafts is None:
+                    drafts = self._eager_on_device(hidden[rows], last, per_request, uniform, steps)
+            values = torch.cat((accepted[:, None], drafts[:, :steps]), dim=1)
+            done = None
+            if device.type == "cuda":
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                values = host.copy_(values, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+        except torch.cuda.OutOfMemoryError:
+            return None
+        self.draws += steps
+        return ChainedDrafts([req.rid for req in reqs], lengths, values, done)
+
+    def _replay_on_device(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        last: torch.Tensor,
+        st: SamplingTensors,
+        uniform: torch.Tensor | None,
+        steps: int,
+    ) -> torch.Tensor | None:
+        graphs = self.graphs
+        if graphs is None or steps != graphs.steps or not (st.all_greedy or plain_draw(st, self.head.device)):
+            return None
+        return graphs.propose(hidden, rows, last, st, uniform)
+
+    def _eager_on_device(
+        self,
+        state: torch.Tensor,
+        tokens: torch.Tensor,
+        st: SamplingTensors,
+        uniform: torch.Tensor | None,
+        steps: int,
+    ) -> torch.Tensor:
+        """`_eager` with the draws' settings and uniform numbers ([n, steps]) already on the device."""
+        embed, lm_head = self.model.model.embed_tokens, self.model.lm_head
+        columns = []
+        for step in range(steps):
+            state = self.head(state, embed(tokens))
+            column = st if uniform is None else replace(st, uniform=uniform[:, step].contiguous())
+            tokens, _, _ = sample_rows(lm_head(state), column, None)
+            columns.append(tokens)
+        return torch.stack(columns, dim=1)
+
     def _eager(
         self, state: torch.Tensor, tokens: torch.Tensor, draws: DraftDraws, steps: int
     ) -> torch.Tensor:
@@ -118,5 +230,5 @@ class DraftHeadProposer:
         st = draws.settings
         if graphs is None or steps > graphs.steps or not (st.all_greedy or plain_draw(st, self.head.device)):
             return None
-        uniform = None if st.all_greedy else draws.uniforms(graphs.steps)
+        uniform = None if st.all_greedy else torch.from_numpy(draws.uniforms(graphs.steps))
         return graphs.propose(hidden, index, last, st, uniform)

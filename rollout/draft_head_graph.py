@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from miles.models.draft_head import DraftHead
@@ -56,11 +55,12 @@ class HeadProposalGraphs:
         rows: torch.Tensor,
         last: torch.Tensor,
         st: SamplingTensors,
-        uniform: np.ndarray | None,
+        uniform: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """[n, steps] draft tokens from rows `rows` (device int64 [n]) of `hidden`, after tokens `last` (device
         int64 [n]), drawn as `st` says (every row greedy, uniform None; or every row the plain draw with its temperature
-        and `uniform` [n, steps]); None where no graph can replay it (the caller proposes eagerly)."""
+        and `uniform` [n, steps] float64, on the host or the device); None where no graph can replay it (the
+        caller proposes eagerly)."""
         n, greedy = rows.shape[0], st.all_greedy
         if not self.on or n > self.max_batch:
             return None
@@ -73,9 +73,7 @@ class HeadProposalGraphs:
         self.tokens[:n].copy_(last)
         if uniform is not None:  # (greedy rows draw none)
             self.temperature[:n].copy_(st.temperature)
-            self.uniform[:n].copy_(
-                torch.from_numpy(np.ascontiguousarray(uniform, np.float64)), non_blocking=True
-            )
+            self.uniform[:n].copy_(uniform, non_blocking=True)
         captured = self.captured[(bucket, greedy)]
         captured.graph.replay()
         self.replays += 1

@@ -27,7 +27,7 @@ from miles.models.draft_head import DraftHead
 from miles.models.model import CausalLM
 from miles.rollout import virtual_memory
 from miles.rollout.attention_flashinfer import check_decode_kernel
-from miles.rollout.draft_head import DraftHeadProposer, load_head, proposal_graphs
+from miles.rollout.draft_head import ChainedDrafts, DraftHeadProposer, load_head, proposal_graphs
 from miles.rollout.draft_model import DraftModel, load_draft_model
 from miles.rollout.forward_batch import ForwardBatch, concat_ranges, host_to_device
 from miles.rollout.kv_manager import KVManager
@@ -110,7 +110,10 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_s: float = 0.0
-    """Wall time spent proposing drafts (the draft model's forwards and draws, or the n-gram lookups)."""
+    """Wall time spent proposing drafts (the draft model's forwards and draws, or the n-gram lookups; a
+    draft head's proposals chained behind verify steps are in those steps' time)."""
+    spec_chained_drafts: int = 0
+    """Request-steps whose draft head proposal was chained on the device behind the verify step before."""
     device_wait_s: float = 0.0
     """Overlap scheduling: host time spent waiting for a step's tokens. Near 0, the device waited for the
     host instead (host-bound); near the step time, the host kept ahead of the device."""
@@ -142,6 +145,8 @@ class _Launched:
     logprobs of their most likely tokens (in host memory on CUDA, copied behind the step)."""
     hidden: torch.Tensor | None = None
     """[S, hidden] the sample rows' final-norm hidden states, in `sampled` order (kept for a draft head)."""
+    chained: ChainedDrafts | None = None
+    """A verify step's next drafts, proposed by the draft head behind it on the device."""
 
 
 class Engine:
@@ -257,6 +262,8 @@ class Engine:
         """Request id -> the row of `_head_hidden` its last token was sampled from (the last step's requests)."""
         self._head_hidden: torch.Tensor | None = None
         """The last resolved step's sample rows' hidden states (`_Launched.hidden`), for the draft head."""
+        self._chained: ChainedDrafts | None = None
+        """The last resolved step's chained drafts (`_Launched.chained`), for the next proposal."""
         self.eos_ids = set(self.args.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
@@ -715,6 +722,17 @@ class Engine:
         """The draft head's drafts, for the requests of `wanted` that were in the last step (the others have
         no hidden state to start from); none when it runs out of device memory."""
         assert self.head_drafter is not None
+        chained, self._chained = self._chained, None
+        if chained is not None:  # drafts proposed behind the last (verify) step, where they follow on
+            proposed, rest = chained.read(), []
+            for req, k in wanted:
+                length, draft = proposed.get(req.rid, (-1, []))
+                if length == len(req.output_ids) and len(draft) >= k:
+                    req.draft = draft[:k]
+                else:
+                    rest.append((req, k))
+            self.stats.spec_chained_drafts += len(wanted) - len(rest)
+            wanted = rest
         rows, hidden = self._head_rows, self._head_hidden
         picked = [(req, k) for req, k in wanted if req.rid in rows]
         if not picked or hidden is None:
@@ -787,7 +805,7 @@ class Engine:
                     req.spec_accepted_tokens = 0
         self.flush_cache()
         load_weights(self.model, weights)
-        self._head_rows, self._head_hidden = {}, None  # hidden states of the old weights
+        self._head_rows, self._head_hidden, self._chained = {}, None, None  # from the old weights
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
     @property
@@ -826,7 +844,8 @@ class Engine:
         self.pool.release()
         if self.drafter is not None:
             self.drafter.release()
-        self._head_rows, self._head_hidden = {}, None  # retracted: each starts again from its prefill
+        # Retracted: each starts again from its prefill.
+        self._head_rows, self._head_hidden, self._chained = {}, None, None
         self._released = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -870,6 +889,7 @@ class Engine:
             "rollout/spec_proposed_tokens": float(s.spec_proposed_tokens),
             "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),
             "rollout/spec_draft_s": s.spec_draft_s,
+            "rollout/spec_chained_drafts": float(s.spec_chained_drafts),
             "rollout/weight_version": float(self._weight_version),
             "rollout/device_wait_s": s.device_wait_s,
         }
@@ -976,12 +996,13 @@ class Engine:
             reqs = reqs + fork_reqs
             if offsets is not None:
                 offsets = np.concatenate((offsets, np.zeros(len(fork_reqs), np.uint64)))
-        tokens, logprobs = self._sample(logits, reqs, offsets)
+        tokens, logprobs, st = self._sample(logits, reqs, offsets)
         alternatives = self._alternatives(logits, reqs)
         if self.device.type != "cuda":  # read by `tolist` at once: no [2, S] float64 copy to make
             host = (tokens, logprobs)
+            chained = self._chain(batch, sampled, forks, hidden, tokens, st)
             return _Launched(
-                chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, alternatives, hidden
+                chunks, extend, sampled, fork_reqs, *counts, tokens, host, None, alternatives, hidden, chained
             )
         values = torch.stack([tokens.double(), logprobs.double()])
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -992,9 +1013,26 @@ class Engine:
             alternatives = (alternatives[0], pinned)
         done = torch.cuda.Event()
         done.record()
+        chained = self._chain(batch, sampled, forks, hidden, tokens, st)  # behind the tokens' copy
         return _Launched(
-            chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, alternatives, hidden
+            chunks, extend, sampled, fork_reqs, *counts, tokens, host, done, alternatives, hidden, chained
         )
+
+    def _chain(
+        self,
+        batch: ForwardBatch,
+        sampled: list[Chunk],
+        forks: list[tuple[Request, Request]],
+        hidden: torch.Tensor | None,
+        tokens: torch.Tensor,
+        st: SamplingTensors,
+    ) -> ChainedDrafts | None:
+        """The draft head's next proposal, chained behind a verify step whose requests all verified drafts
+        of one length (draft_head.py); None for other steps."""
+        if self.head_drafter is None or hidden is None or not batch.verify_len or forks:
+            return None
+        reqs = [c.req for c in sampled]
+        return self.head_drafter.chain(hidden, tokens, batch.input_ids, reqs, st, self.cfg.spec_draft_tokens)
 
     def _alternatives(
         self, logits: torch.Tensor, reqs: list[Request]
@@ -1115,7 +1153,7 @@ class Engine:
             elif head_rows is not None:  # the row its last kept token was sampled from
                 head_rows[req.rid] = first + len(req.output_ids) - before
         if head_rows is not None:
-            self._head_rows, self._head_hidden = head_rows, step.hidden
+            self._head_rows, self._head_hidden, self._chained = head_rows, step.hidden, step.chained
         self.stats.output_tokens += plain
         self.kv.truncate(cuts)
         return finished
@@ -1228,10 +1266,10 @@ class Engine:
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[Request], offsets: np.ndarray | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, SamplingTensors]:
         """Row i samples response position len(output) + offsets[i] of request reqs[i] (offsets None: all 0):
         offsets > 0 are draft rows, whose uniform numbers are the ones plain decoding would use there, so
-        speculation changes no sample."""
+        speculation changes no sample. Returns the tokens, their logprobs and the rows' settings."""
         if self._row_seeds is None or self._row_seeds[0] != reqs:  # the same requests as last step: kept
             self._row_seeds = (reqs, mix_seeds([r.seed for r in reqs]))
         positions = np.fromiter((len(r.output_ids) for r in reqs), dtype=np.uint64, count=len(reqs))
@@ -1251,7 +1289,7 @@ class Engine:
             distinct = {id(p): p for p in params}.values()
             self._row_params = (params, [(p, _settings(p)) for p in distinct], st)
         with fused.fused_kernels(self.runner.fused_kernels):
-            return self._sample_rows(logits, st)
+            return (*self._sample_rows(logits, st), st)
 
     def _sample_rows(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         num = logits.shape[0]

@@ -115,9 +115,61 @@ def test_head_proposals_start_from_the_models_hidden_state(monkeypatch: pytest.M
         return drafts
 
     monkeypatch.setattr(DraftHeadProposer, "propose", checking)
+    monkeypatch.setattr(DraftHeadProposer, "chain", lambda *args: None)  # every proposal through `propose`
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12, ignore_eos=True)
     engine.generate(PROMPTS, params)
     assert len(checked) > 20 and max(checked) == 3
+
+
+def compare_chained_proposals(monkeypatch: pytest.MonkeyPatch, whole_steps_only: bool = False) -> list[int]:
+    """Check every proposal chained behind a verify step against `propose` from the row and token the host
+    kept: the requests given chained drafts, per step, are appended to the returned list.
+    `whole_steps_only`: compare only where every request of the chain goes on (a proposal graph then
+    replays at the chain's own batch bucket, so its kernels are the chain's)."""
+    original = Engine._draft_head_proposals
+    compared: list[int] = []
+
+    def comparing(self: Engine, wanted: list) -> None:
+        chained = self._chained
+        original(self, wanted)
+        if chained is None:
+            return
+        proposed = chained.read()
+        used = [(r, k) for r, k in wanted if proposed.get(r.rid, (-1,))[0] == len(r.output_ids)]
+        compared.append(len(used))
+        if whole_steps_only and len(used) != len(proposed):
+            return
+        assert self.head_drafter is not None
+        again = self.head_drafter.propose(
+            [r for r, _ in used],
+            [k for _, k in used],
+            self._head_hidden,
+            [self._head_rows[r.rid] for r, _ in used],
+        )
+        assert [r.draft for r, _ in used] == again
+
+    monkeypatch.setattr(Engine, "_draft_head_proposals", comparing)
+    return compared
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chained_proposals_are_the_proposals_the_next_step_would_make(
+    monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    """A proposal chained behind a verify step (its acceptance counted on the device) gives each request the
+    drafts `propose` gives it at the next step from the row and token the host kept; the samples stay plain
+    decoding's."""
+    model = _peaky_model()
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=20, seed=5, stop_token_ids=[41])
+    plain = Engine(model, None, config()).generate(PEAKY_PROMPTS, params)
+    head = _trained_head(model, plain)
+    engine = Engine(model, None, config(speculative="head", spec_draft_tokens=3), draft_head=head)
+    compared = compare_chained_proposals(monkeypatch)
+    got = engine.generate(PEAKY_PROMPTS, params)
+    assert_same_samples(got, plain)
+    m = engine.metrics()
+    assert sum(compared) == m["rollout/spec_chained_drafts"] > 20
+    assert m["rollout/spec_accepted_tokens"] > 0.3 * m["rollout/spec_draft_tokens"]
 
 
 def test_draft_heads_save_load_and_refuse_other_models(tmp_path) -> None:  # noqa: ANN001

@@ -522,11 +522,14 @@ def test_draft_model_speculation_on_cuda_matches_plain_decoding(draft_kind: str)
             assert same >= len(plain) // 2, [(a.response_ids, b.response_ids) for a, b in zip(plain, spec)]
 
 
-def test_draft_head_speculation_on_cuda_matches_plain_decoding() -> None:
+def test_draft_head_speculation_on_cuda_matches_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     """A draft head (rollout.speculative=head) on the GPU, trained there on the model's own samples (bf16 head
     with float32 masters, flash varlen attention for the policy's hidden states): verify steps replay the
     verify graphs, whose hidden-state buffers the head starts from, greedy drafts are accepted, and the tokens
-    are plain decoding's until a near-tie."""
+    are plain decoding's until a near-tie. Proposals chained behind the verify steps are the ones the next
+    step would make."""
+    from test_rollout_draft_head import compare_chained_proposals
+
     from miles.models.draft_head import new_draft_head
     from miles.trainer.draft_head_trainer import DraftHeadTrainer
 
@@ -546,9 +549,11 @@ def test_draft_head_speculation_on_cuda_matches_plain_decoding() -> None:
         engine = Engine(model, None, spec_cfg, draft_head=head.eval())
         assert engine.runner.graphs is not None and engine.runner.graphs.verify_len == 4
         verified = count_verify_graphs(engine)
+        compared = compare_chained_proposals(monkeypatch, whole_steps_only=True)
         spec = engine.generate(PROMPTS, params)
         m = engine.metrics()
         assert verified, m
+        assert sum(compared) == m["rollout/spec_chained_drafts"] > 0, m
         # Proposals replay the proposal graphs (draft_head_graph.py), greedy and temperature-1 ones alike.
         assert engine.head_drafter is not None and engine.head_drafter.graphs is not None
         assert engine.head_drafter.graphs.replays > 0, m
