@@ -124,11 +124,10 @@ class DraftHeadProposer:
         tokens = host_to_device(np.asarray([req.output_ids[-1] for req in reqs], dtype=np.int64), device)
         draws = DraftDraws(reqs, self.model.args.vocab_size, device, self.fused_kernels)
         steps = max(ks)  # every request takes max(ks) steps (ks differ only near a request's end)
-        with fused.fused_kernels(self.fused_kernels):
-            drafts = self._replay(hidden, index, tokens, draws, steps)
-            if drafts is None:
-                drafts = self._eager(hidden[index], tokens, draws, steps)
-        self.draws += steps
+        graphs = self.graphs
+        drawn = graphs.steps if graphs is not None and steps <= graphs.steps else steps  # a graph draws all
+        uniform = None if draws.settings.all_greedy else host_to_device(draws.uniforms(drawn), device)
+        drafts = self._proposal(hidden, index, tokens, draws.settings, uniform, steps)
         return [row[:k] for row, k in zip(drafts.tolist(), ks)]  # the one read of the proposal
 
     def chain(
@@ -154,7 +153,6 @@ class DraftHeadProposer:
             accepted = (sampled[:, :-1] == drafted).cumprod(dim=1).sum(dim=1)
             last = sampled.gather(1, accepted[:, None]).squeeze(1)
             rows = torch.arange(n, device=device) * width + accepted
-            per_request = st.rows(slice(None, None, width))
             lengths = [len(req.output_ids) for req in reqs]
             uniform = None
             if not st.all_greedy:  # the positions after any number of accepted drafts, picked on the device
@@ -163,10 +161,8 @@ class DraftHeadProposer:
                 after = np.asarray(lengths, dtype=np.uint64)[:, None] + np.uint64(1) + offsets[None, :]
                 every = host_to_device(uniforms_of_mixed(mixed[:, None], after), device)
                 uniform = every.gather(1, accepted[:, None] + torch.arange(steps, device=device)[None, :])
-            with fused.fused_kernels(self.fused_kernels):
-                drafts = self._replay_on_device(hidden, rows, last, per_request, uniform, steps)
-                if drafts is None:
-                    drafts = self._eager_on_device(hidden[rows], last, per_request, uniform, steps)
+            per_request = st.rows(slice(None, None, width))
+            drafts = self._proposal(hidden, rows, last, per_request, uniform, steps)
             values = torch.cat((accepted[:, None], drafts[:, :steps]), dim=1)
             done = None
             if device.type == "cuda":
@@ -176,10 +172,9 @@ class DraftHeadProposer:
                 done.record()
         except torch.cuda.OutOfMemoryError:
             return None
-        self.draws += steps
         return ChainedDrafts([req.rid for req in reqs], lengths, values, done)
 
-    def _replay_on_device(
+    def _proposal(
         self,
         hidden: torch.Tensor,
         rows: torch.Tensor,
@@ -187,48 +182,27 @@ class DraftHeadProposer:
         st: SamplingTensors,
         uniform: torch.Tensor | None,
         steps: int,
-    ) -> torch.Tensor | None:
-        graphs = self.graphs
-        if graphs is None or steps != graphs.steps or not (st.all_greedy or plain_draw(st, self.head.device)):
-            return None
-        return graphs.propose(hidden, rows, last, st, uniform)
-
-    def _eager_on_device(
-        self,
-        state: torch.Tensor,
-        tokens: torch.Tensor,
-        st: SamplingTensors,
-        uniform: torch.Tensor | None,
-        steps: int,
     ) -> torch.Tensor:
-        """`_eager` with the draws' settings and uniform numbers ([n, steps]) already on the device."""
-        embed, lm_head = self.model.model.embed_tokens, self.model.lm_head
-        columns = []
-        for step in range(steps):
-            state = self.head(state, embed(tokens))
-            column = st if uniform is None else replace(st, uniform=uniform[:, step].contiguous())
-            tokens, _, _ = sample_rows(lm_head(state), column, None)
-            columns.append(tokens)
-        return torch.stack(columns, dim=1)
-
-    def _eager(
-        self, state: torch.Tensor, tokens: torch.Tensor, draws: DraftDraws, steps: int
-    ) -> torch.Tensor:
-        embed, lm_head = self.model.model.embed_tokens, self.model.lm_head
-        columns = []
-        for step in range(steps):
-            state = self.head(state, embed(tokens))
-            tokens = draws.sample(lm_head(state), None, step)
-            columns.append(tokens)
-        return torch.stack(columns, dim=1)
-
-    def _replay(
-        self, hidden: torch.Tensor, index: torch.Tensor, last: torch.Tensor, draws: DraftDraws, steps: int
-    ) -> torch.Tensor | None:
-        """[n, >= steps] the proposal's tokens from the graphs, or None where they do not apply."""
+        """[n, >= steps] draft tokens from rows `rows` of `hidden` after tokens `last` (device int64 [n]),
+        drawn as `st` says with `uniform` ([n, >= steps] on the device; None when every row is greedy):
+        replayed as a graph where one applies (`uniform` as wide as its steps), else eagerly."""
         graphs = self.graphs
-        st = draws.settings
-        if graphs is None or steps > graphs.steps or not (st.all_greedy or plain_draw(st, self.head.device)):
-            return None
-        uniform = None if st.all_greedy else torch.from_numpy(draws.uniforms(graphs.steps))
-        return graphs.propose(hidden, index, last, st, uniform)
+        self.draws += steps
+        with fused.fused_kernels(self.fused_kernels):
+            if (
+                graphs is not None
+                and steps <= graphs.steps
+                and (uniform is None or uniform.shape[1] == graphs.steps)
+                and (st.all_greedy or plain_draw(st, self.head.device))
+            ):
+                drafts = graphs.propose(hidden, rows, last, st, uniform)
+                if drafts is not None:
+                    return drafts
+            embed, lm_head = self.model.model.embed_tokens, self.model.lm_head
+            state, tokens, columns = hidden[rows], last, []
+            for step in range(steps):
+                state = self.head(state, embed(tokens))
+                column = st if uniform is None else replace(st, uniform=uniform[:, step].contiguous())
+                tokens, _, _ = sample_rows(lm_head(state), column, None)
+                columns.append(tokens)
+            return torch.stack(columns, dim=1)
