@@ -144,6 +144,14 @@ class RolloutConfig:
     """AdamW learning rate of the draft's online training (constant; trainer.optim's other settings)."""
     spec_draft_train_epochs: int = 1
     """Optimizer steps of the draft per RL step, each over all of the step's samples."""
+    spec_min_accept_length: float = 0.0
+    """Speculate only while the tokens kept per request and verify step (a moving average) are at least this;
+    below it decode steps run plain (overlap-scheduled where overlap_schedule is on), and one step in every
+    spec_probe_every speculates to measure it again. 0: always speculate. The break-even is a speculative
+    step's time over a plain one's (`miles bench rollout` with and without --speculative). Counts steps, not
+    time, so runs stay reproducible."""
+    spec_probe_every: int = 16
+    """Plain decode steps between two probes while spec_min_accept_length closes the gate."""
     spec_ngram_max: int = 3
     """Longest suffix n-gram looked up for a draft."""
     spec_ngram_min: int = 1

@@ -407,6 +407,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "draft", "head"])
     p.add_argument("--spec-draft-tokens", type=int, default=4)
     p.add_argument(
+        "--spec-min-accept-length",
+        type=float,
+        default=0.0,
+        help="decode plain while the drafts keep fewer tokens a step than this (rollout.spec_min_accept_length)",
+    )
+    p.add_argument("--spec-probe-every", type=int, default=16, help="rollout.spec_probe_every")
+    p.add_argument(
         "--draft-model",
         default=None,
         help="--speculative draft: checkpoint path, preset (random weights of their own, so drafts are rarely "
@@ -549,6 +556,8 @@ def main(argv: list[str]) -> int:
         fused_kernels=a.fused_kernels,
         speculative=a.speculative,
         spec_draft_tokens=a.spec_draft_tokens,
+        spec_min_accept_length=a.spec_min_accept_length,
+        spec_probe_every=a.spec_probe_every,
         spec_head=a.draft_head,
         spec_draft_train=a.speculative == "head" and not a.draft_head,  # (only quiets the untrained warning)
     )
@@ -657,6 +666,7 @@ def main(argv: list[str]) -> int:
         "spec_accept_length": 1 + stats.spec_accepted_tokens / stats.spec_steps if stats.spec_steps else 0.0,
         "spec_draft_s": stats.spec_draft_s,
         "spec_chained_drafts": stats.spec_chained_drafts,
+        "spec_gated_steps": stats.spec_gated_steps,
         "draft_model": a.draft_model if a.speculative == "draft" else None,
         "draft_head": (a.draft_head or "new") if a.speculative == "head" else None,
         "kv_pool_tokens": engine.pool.capacity_tokens,

@@ -49,6 +49,7 @@ from miles.rollout.sampling import (
     uniforms_of_mixed,
 )
 from miles.rollout.scheduler import Chunk, Scheduler, SchedulerConfig
+from miles.rollout.spec_gate import SpecGate
 from miles.rollout.weights import WeightsInput, load_weights
 from miles.sample import Sample, SampleStatus
 
@@ -112,6 +113,8 @@ class EngineStats:
     spec_draft_s: float = 0.0
     """Wall time spent proposing drafts (the draft model's forwards and draws, or the n-gram lookups; a
     draft head's proposals chained behind verify steps are in those steps' time)."""
+    spec_gated_steps: int = 0
+    """Steps that ran plain because the drafts kept too few tokens (`rollout.spec_min_accept_length`)."""
     spec_chained_drafts: int = 0
     """Request-steps whose draft head proposal was chained on the device behind the verify step before."""
     device_wait_s: float = 0.0
@@ -293,8 +296,10 @@ class Engine:
             raise ValueError(f"rollout.spec_draft_tokens must be >= 1, got {cfg.spec_draft_tokens}")
         self.speculative = spec_mode != "off"
         NgramIndex(cfg.spec_ngram_max, cfg.spec_ngram_min)  # checks the n-gram sizes now, not mid-run
-        # Drafts come from the newest tokens, so speculation needs each step's tokens before planning the next.
-        self.overlap = self.overlap and not self.speculative
+        self.spec_gate = SpecGate(cfg.spec_min_accept_length, cfg.spec_probe_every)
+        # Drafts come from the newest tokens, so a step that speculates needs the last step's tokens before it
+        # is planned, and the next step its own: only plain steps overlap, and only where the gate makes any.
+        self.overlap = self.overlap and not (self.speculative and self.spec_gate.always)
         self._in_flight: _Launched | None = None
         self._maybe_stalled = False
         self._drained: list[Sample] = []
@@ -591,10 +596,20 @@ class Engine:
                 finished.append(self._finish(req, SampleStatus.ABORTED, "aborted by the caller"))
         if self._maybe_stalled:  # the last plan left a running request out: its limit may have been lowered
             finished.extend(self._finish_stalled())
+        drafts = False
         if self.speculative:
-            drafting = time.perf_counter()
-            self._propose_drafts()
-            self.stats.spec_draft_s += time.perf_counter() - drafting
+            if self.spec_gate.speculate():
+                if self._in_flight is not None:  # a plain step let through by the gate, overlapped
+                    finished.extend(self._resolve())
+                drafting = time.perf_counter()
+                self._propose_drafts()
+                self.stats.spec_draft_s += time.perf_counter() - drafting
+                drafts = any(req.draft for req in self.scheduler.running)
+            else:
+                for req in self.scheduler.running:
+                    req.draft = []
+                self.stats.spec_gated_steps += 1
+            verified, accepted = self.stats.spec_steps, self.stats.spec_accepted_tokens
         plan = self.scheduler.schedule(in_flight=self._in_flight is not None)
         self._maybe_stalled = plan.stalled_waiting or len(plan.chunks) < len(self.scheduler.running)
         self.stats.preemptions += len(plan.retracted)
@@ -612,12 +627,15 @@ class Engine:
         if launched is not None:
             self._commit(launched)
             self._in_flight = launched
-            if not self.overlap:
+            if not self.overlap or drafts:  # the next step's inputs depend on how many drafts are kept
                 finished.extend(self._resolve())
             self._last_step_ran = True
             elapsed = time.perf_counter() - t0
             self.stats.steps += 1
             if plan.is_decode:
+                if self.speculative:
+                    s = self.stats
+                    self.spec_gate.record(s.spec_steps - verified, s.spec_accepted_tokens - accepted)
                 self.stats.decode_steps += 1
                 self.stats.decode_s += elapsed
                 self.stats.decode_step_tokens += launched.num_tokens
@@ -806,6 +824,7 @@ class Engine:
         self.flush_cache()
         load_weights(self.model, weights)
         self._head_rows, self._head_hidden, self._chained = {}, None, None  # from the old weights
+        self.spec_gate.reset()
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
     @property
@@ -820,10 +839,12 @@ class Engine:
 
     def draft_weights_changed(self) -> None:
         """Drop the draft model's cached keys and values after its weights changed (trained in place): every
-        request's sequence is fed to it again at its next proposal."""
+        request's sequence is fed to it again at its next proposal. The speculation gate measures the new
+        draft's acceptance at the next decode step."""
         self._drain()
         if self.drafter is not None:
             self.drafter.retain(set())
+        self.spec_gate.reset()
 
     def flush_cache(self) -> None:
         """Empty the radix cache (no request may hold KV)."""
@@ -890,6 +911,7 @@ class Engine:
             "rollout/spec_accepted_tokens": float(s.spec_accepted_tokens),
             "rollout/spec_draft_s": s.spec_draft_s,
             "rollout/spec_chained_drafts": float(s.spec_chained_drafts),
+            "rollout/spec_gated_steps": float(s.spec_gated_steps),
             "rollout/weight_version": float(self._weight_version),
             "rollout/device_wait_s": s.device_wait_s,
         }

@@ -24,6 +24,7 @@ from miles.models.draft_head import (
 from miles.rollout.draft_head import DraftHeadProposer
 from miles.rollout.engine import Engine
 from miles.rollout.params import SamplingParams
+from miles.rollout.spec_gate import SpecGate
 from miles.sample import SampleStatus
 
 
@@ -209,3 +210,58 @@ def test_a_new_head_starts_as_a_mix_of_its_inputs() -> None:
     x, e = torch.randn(3, 16), torch.randn(3, 16)
     expected = head.norm(head.fc(torch.cat((head.feature_norm(x), head.token_norm(e)), -1)))
     torch.testing.assert_close(head(x, e), expected)
+
+
+def test_the_spec_gate_opens_and_closes_on_the_kept_tokens() -> None:
+    """Closed below the threshold (after the first verify step says so), one probe every probe_every plain
+    steps, open again once the average climbs back; always open at 0; bad settings refused."""
+    gate = SpecGate(min_accept_length=1.5, probe_every=3)
+    assert gate.speculate()  # nothing measured yet
+    gate.record(verified=4, accepted=0)  # 1.0 token a request
+    assert gate.accept_length == 1.0 and not gate.speculate()
+    for _ in range(3):
+        assert not gate.speculate()
+        gate.record(0, 0)
+    assert gate.speculate()  # the probe, which fails: the next one waits twice as long
+    gate.record(verified=2, accepted=0)
+    for _ in range(6):
+        assert not gate.speculate()
+        gate.record(0, 0)
+    assert gate.speculate()
+    gate.record(verified=4, accepted=12)  # 4.0: the average 0.5 * 1.0 + 0.5 * 4.0 = 2.5
+    assert gate.accept_length == 2.5 and gate.speculate() and gate.plain_steps == 0
+    assert gate.wait == 3  # open again: back to probe_every
+    for _ in range(8):  # failed probes wait at most 16 * probe_every
+        gate.record(verified=1, accepted=0)
+        while not gate.speculate():
+            gate.record(0, 0)
+    assert gate.wait == 48
+    gate.reset()  # new weights: measured at once
+    assert gate.accept_length is None and gate.speculate() and gate.wait == 3
+    assert SpecGate(0.0, 3).speculate()
+    with pytest.raises(ValueError, match="spec_probe_every"):
+        SpecGate(1.5, 0)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_gated_head_decodes_plain_steps_between_probes(overlap: str) -> None:
+    """A new head keeps ~1 token a verify step, below rollout.spec_min_accept_length=1.5: the engine runs plain
+    decode steps (overlap-scheduled with overlap_schedule=on) and verifies only on probes, one in every
+    spec_probe_every + 1 decode steps; the samples stay plain decoding's. A trained head keeps the gate open."""
+    model = _peaky_model()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=5, stop_token_ids=[41])
+    plain = Engine(model, None, config()).generate(PEAKY_PROMPTS, params)
+    gated = dict(speculative="head", spec_draft_tokens=3, spec_min_accept_length=1.5, spec_probe_every=4)
+    engine = Engine(model, None, config(overlap_schedule=overlap, **gated))
+    assert engine.overlap == (overlap == "on")
+    got = engine.generate(PEAKY_PROMPTS, params)
+    assert_same_samples(got, plain)
+    decode_steps, m = engine.stats.decode_steps, engine.metrics()
+    assert engine.spec_gate.accept_length is not None and engine.spec_gate.accept_length < 1.5
+    verify_steps = decode_steps - m["rollout/spec_gated_steps"]
+    assert 0 < verify_steps <= 2 + decode_steps / 5 and m["rollout/spec_steps"] > 0
+    # A trained head keeps ~2.2 tokens a step: open but for the last few requests' steps.
+    trained = Engine(model, None, config(**gated), draft_head=_trained_head(model, plain))
+    assert_same_samples(trained.generate(PEAKY_PROMPTS, params), plain)
+    decode_steps, m = trained.stats.decode_steps, trained.metrics()
+    assert m["rollout/spec_accept_length"] > 1.5 and m["rollout/spec_gated_steps"] <= 0.2 * decode_steps
