@@ -16,19 +16,22 @@ from miles.errors import MilesUserError
 def read_prompts(path: Path) -> list[object]:
     if not path.exists():
         raise MilesUserError(f"prompts file {path} does not exist")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    # Numbered before blank lines are skipped, so an error's line number is the file's.
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if path.suffix == ".jsonl":
         prompts = []
-        for number, line in enumerate(lines, 1):
+        for number, line in lines:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise MilesUserError(f"{path}:{number} is not valid JSON ({e.msg})") from e
-            if "prompt" not in record:
-                raise MilesUserError(f"{path}:{number} has no 'prompt' field")
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise MilesUserError(
+                    f'{path}:{number} is not a JSON object with a \'prompt\' field (e.g. {{"prompt": "2+2="}})'
+                )
             prompts.append(record["prompt"])
         return prompts
-    return lines
+    return [line for _, line in lines]
 
 
 def main(argv: list[str]) -> int:

@@ -8,7 +8,9 @@ environment variable (never from the command line, which other users can see) an
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import math
 import os
 
 from miles.config import DataConfig, RolloutConfig
@@ -30,7 +32,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-fraction", type=float, default=RolloutConfig.kv_cache_fraction)
     parser.add_argument("--system-prompt", default=None, help="prepended to chat requests without one")
     parser.add_argument(
-        "--request-timeout-s", type=float, default=3600.0, help="a request waiting longer: 504"
+        "--request-timeout-s",
+        type=float,
+        default=3600.0,
+        help="a request waiting longer: 504 (> 0; inf: no limit)",
     )
     parser.add_argument(
         "--reasoning-parser",
@@ -39,6 +44,10 @@ def main(argv: list[str]) -> int:
         help="return a chat reply's <think> block as reasoning_content (default: left in the content)",
     )
     args = parser.parse_args(argv)
+    if not 0 < args.request_timeout_s <= math.inf:  # NaN fails too; checked before the model loads
+        raise MilesUserError(
+            f"--request-timeout-s {args.request_timeout_s}: give a number of seconds > 0 (inf: no limit)"
+        )
 
     from miles.data import PromptFormatter
     from miles.loop import set_cpu_threads
@@ -74,7 +83,7 @@ def main(argv: list[str]) -> int:
         )
     except OSError as err:
         raise MilesUserError(
-            f"cannot listen on {args.host}:{args.port} ({err}); pick another --port"
+            f"cannot listen on {args.host}:{args.port} ({err}); {_listen_hint(err)}"
         ) from err
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("miles.serve").warning(
@@ -89,3 +98,11 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _listen_hint(err: OSError) -> str:
+    """What to change when the socket cannot be bound: the port where it is taken or privileged, else the
+    host (a name that does not resolve, an address this machine does not have)."""
+    if err.errno in (errno.EADDRINUSE, errno.EACCES):
+        return "pick another --port"
+    return "check --host: an address of this machine (127.0.0.1, ::1, 0.0.0.0, ::) or a name resolving to one"

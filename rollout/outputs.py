@@ -23,7 +23,10 @@ def finish_status(req: Request, eos_ids: set[int], max_context: int, tokenizer: 
 
 def hit_stop_string(req: Request, tokenizer: Any) -> bool:
     """Whether the text now contains a stop string; if so `req.stop_text` is the text before the first."""
-    window = max(len(s) for s in req.params.stop) + 8
+    # The look-back is counted in tokens, so it is sized by the stop strings' UTF-8 bytes, not characters: a
+    # token holds at least a byte (byte-level BPE splits a rare character into one token per byte), and the
+    # margin covers a stop string that starts inside a token.
+    window = max(len(s.encode()) for s in req.params.stop) + 8
     tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
     if not any(s in tail for s in req.params.stop):
         return False

@@ -1,28 +1,35 @@
 """An OpenAI-compatible HTTP server over the embedded engine: `miles serve`.
 
-`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`. One thread owns the
-engine and steps it while any request is in flight; HTTP handler threads hand it their prompts and wait,
-so concurrent requests share engine steps (continuous batching) and the radix cache. Binds 127.0.0.1 unless
-told otherwise; with an API key set, every request needs `Authorization: Bearer <key>`. Request bodies and
-keys are never logged.
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` (and `/v1/models/{id}`), `GET /health`;
+a query string (`?api-version=...`, as Azure-style clients send) is ignored. One thread owns the engine and
+steps it while any request is in flight; HTTP handler threads hand it their prompts and wait, so concurrent
+requests share engine steps (continuous batching) and the radix cache. Binds 127.0.0.1 unless told otherwise
+(an IPv6 host such as `::1` binds an IPv6 socket); with an API key set, every request needs
+`Authorization: Bearer <key>`. Request bodies and keys are never logged.
 
 Beyond OpenAI's fields, a request may set `top_k`, `min_p`, `ignore_eos`, `stop_token_ids` and
 `return_token_ids` (the prompt's and each choice's token ids, for token-in/token-out clients). `logprobs`
 returns the sampled tokens' logprobs, under the distribution they were sampled from (temperature, top-p...:
 the engine's convention, docs/rollout.md), with up to 20 alternatives per token under the same distribution
-(completions: `logprobs: N`; chat: `logprobs: true, top_logprobs: N`). `stream: true` sends server-sent events
-(OpenAI's chunks, then `data: [DONE]`; `stream_options.include_usage` adds the usage), holding back the
-last characters while a stop string could still take them back; a client that hangs up stops its
-generation. Chat completions take `tools` (with `tool_choice` "auto" or "none", and `parallel_tool_calls`),
-`tool_calls` in assistant messages and `tool` messages, and return the model's calls as `tool_calls`, streamed
-or not, where the model's chat template renders tools in Qwen's `<tool_call>` format (tool_calls.py); with a
-reasoning parser, a thinking model's `<think>` block comes back as `reasoning_content` (reasoning.py). Not
-supported, and refused with a 400 rather than ignored: `echo`, `suffix`, `best_of` > 1, logprobs or token ids
-with streaming, non-zero `frequency_penalty` / `presence_penalty`, `logit_bias`, a forced tool call
-(`tool_choice` "required" or a named function), the legacy `functions` / `function_call`, and
-`response_format`. Chat content may be a string or text parts. Tokenizing runs on the engine's thread
-(the tokenizer is the engine's); a request waiting past `request_timeout_s` gets a 504 and what it still
-runs is aborted.
+(completions: `logprobs: N`, 0 for the sampled tokens' only; chat: `logprobs: true, top_logprobs: N`). A
+token's text and `bytes` are its own bytes (a byte-level token holding part of a character shows the bytes
+it lacks a character for as `\\xNN`); a logprob of -inf (an alternative top-p or top-k dropped) is sent as
+-9999.0, as vLLM does, so the JSON stays strict. A `temperature` below 1e-5 is greedy (temperature 0): so
+small a divisor overflows the logits to NaN. `stream: true` sends server-sent events (OpenAI's chunks, then
+`data: [DONE]`; `stream_options.include_usage` adds the usage), holding back the last characters while a
+stop string could still take them back, and a `: keep-alive` comment while nothing can be sent (a tool call
+being generated, a long prefill). A client that hangs up stops its generation, streamed (a write fails) or
+not (its socket is watched while it waits). Chat completions take `tools` (with `tool_choice` "auto" or
+"none", and `parallel_tool_calls`), `tool_calls` in assistant messages and `tool` messages, and return the
+model's calls as `tool_calls`, streamed or not, where the model's chat template renders tools in Qwen's
+`<tool_call>` format (tool_calls.py); with a reasoning parser, a thinking model's `<think>` block comes back
+as `reasoning_content` (reasoning.py). Not supported, and refused with a 400 rather than ignored: `echo`, a
+non-empty `suffix`, `best_of` > 1, logprobs or token ids with streaming, non-zero `frequency_penalty` /
+`presence_penalty`, `logit_bias`, a forced tool call (`tool_choice` "required" or a named function), the
+legacy `functions` / `function_call`, and a `response_format` other than `{"type": "text"}`. Chat content
+may be a string or text parts; a chat template that refuses the conversation (`raise_exception`) is a 400.
+Tokenizing runs on the engine's thread (the tokenizer is the engine's); a request waiting past
+`request_timeout_s` (inf: no limit) gets a 504 and what it still runs is aborted.
 """
 
 from __future__ import annotations
@@ -31,10 +38,16 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import os
 import queue
+import re
+import select
+import socket
+import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -63,6 +76,28 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 """Both write their thinking between `<think>` and `</think>` (reasoning.py)."""
 _FINISH = {SampleStatus.COMPLETED: "stop", SampleStatus.TRUNCATED: "length"}
+GREEDY_BELOW = 1e-5
+"""A temperature under this samples greedily: logits divided by a smaller one overflow float32 (NaN)."""
+NO_LOGPROB = -9999.0
+"""Sent for a logprob that is not finite (-inf: an alternative top-p / top-k dropped), as vLLM does: JSON has
+no infinity, and a bare `-Infinity` breaks strict parsers."""
+KEEPALIVE_S = 0.5
+"""A stream with nothing to send for this long sends an SSE comment: writing is how a hang-up is noticed."""
+CLIENT_POLL_S = 0.25
+"""How often a non-streamed request looks whether its client hung up while it waits."""
+_NO_OPS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "'echo' is not supported"),
+    "suffix": (("",), "'suffix' is not supported (no insertion; send it empty or not at all)"),
+    "logit_bias": (({},), "'logit_bias' is not supported"),
+    "functions": (([],), "'functions' is not supported (send 'tools' instead)"),
+    "function_call": (("none",), "'function_call' is not supported (send 'tools' instead)"),
+    "response_format": (
+        ({"type": "text"},),
+        '\'response_format\' is not supported (no JSON mode; only {"type": "text"})',
+    ),
+}
+"""OpenAI fields the server does not implement: (the values that ask for nothing, besides null; the 400's
+message for any other)."""
 
 
 class RequestError(Exception):
@@ -71,6 +106,10 @@ class RequestError(Exception):
     def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+
+
+class ClientGone(Exception):
+    """The client of a request hung up while it waited: its generation was aborted, no response is sent."""
 
 
 @dataclass
@@ -134,30 +173,36 @@ class EngineServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: str | None = None,
-        request_timeout_s: float = 3600.0,
+        request_timeout_s: float | None = 3600.0,
         reasoning_parser: str | None = None,
     ) -> None:
         """`reasoning_parser`: "qwen3" (or "deepseek_r1", the same `<think>` tags) splits chat replies'
-        thinking off as `reasoning_content` (reasoning.py); None leaves it in the content."""
+        thinking off as `reasoning_content` (reasoning.py); None leaves it in the content.
+        `request_timeout_s`: > 0 seconds; inf or None: no limit."""
         if reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; use one of {REASONING_PARSERS}")
+        self.request_timeout_s = request_timeout(request_timeout_s)  # checked before the socket is bound
         self.reasoning = reasoning_parser is not None
         self.engine, self.formatter, self.model_name = engine, formatter, model_name
         self.api_key = api_key or None
-        self.request_timeout_s = request_timeout_s
+        self.keepalive_s = KEEPALIVE_S
+        self.client_poll_s = CLIENT_POLL_S
         self._jobs: queue.Queue[_Job | _Task] = queue.Queue()
         self._stop = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="miles-engine", daemon=True)
         self._http_thread: threading.Thread | None = None
         self._renders_tools: bool | None = None
         """Whether the formatter's chat template renders tools in the `<tool_call>` format (probed once)."""
-        self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        self._token_bytes: TokenBytes | None = None
+        """Each token's bytes, for logprobs (built once, on the engine's thread)."""
+        server_class = _HTTPServer6 if ":" in host else ThreadingHTTPServer  # an IPv6 address (::1, ::)
+        self.httpd = server_class((host, port), _handler_for(self))
         self.httpd.daemon_threads = True
 
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> None:
         self._engine_thread.start()
@@ -184,18 +229,35 @@ class EngineServer:
     def engine_alive(self) -> bool:
         return self._engine_thread.is_alive()
 
-    def run(self, prompts: list[list[int]], params: SamplingParams) -> _Job:
-        """Called from a handler thread: queue the prompts and wait for their samples."""
+    def run(
+        self, prompts: list[list[int]], params: SamplingParams, client_gone: Callable[[], bool] | None = None
+    ) -> _Job:
+        """Called from a handler thread: queue the prompts and wait for their samples. `client_gone` is
+        asked every `client_poll_s` while it waits: a client that hung up (an SDK's timeout, which then
+        retries) would otherwise have its generation run to the end for nobody."""
         job = _Job(prompts, params)
-        self._jobs.put(job)
         timeout_s = self.request_timeout_s
-        if not job.done.wait(timeout_s):
-            job.cancelled = True  # the engine thread aborts what is left of it
-            self._jobs.put(job)
-            raise RequestError(
-                HTTPStatus.GATEWAY_TIMEOUT, f"generation took longer than {timeout_s:.0f} s", "timeout"
-            )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._jobs.put(job)
+        while not job.done.wait(self._wait_s(deadline, self.client_poll_s)):
+            if client_gone is not None and client_gone():
+                self._cancel(job)
+                raise ClientGone()
+            if deadline is not None and time.monotonic() >= deadline:
+                self._cancel(job)
+                raise RequestError(
+                    HTTPStatus.GATEWAY_TIMEOUT, f"generation took longer than {timeout_s:g} s", "timeout"
+                )
         return job
+
+    @staticmethod
+    def _wait_s(deadline: float | None, slice_s: float) -> float:
+        """How long to wait before looking again: `slice_s`, or less where the deadline comes first."""
+        return slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic()))
+
+    def _cancel(self, job: _Job) -> None:
+        job.cancelled = True  # the engine thread aborts what is left of it
+        self._jobs.put(job)
 
     def on_engine(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
         """Run `fn` on the engine's thread (between steps) and return what it returns."""
@@ -341,7 +403,9 @@ class EngineServer:
                 break
 
     # requests --------------------------------------------------------------------------------------
-    def completions(self, body: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    def completions(
+        self, body: dict[str, Any], client_gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any] | None]:
         self._check_model(body)
         if body.get("tools") not in (None, []):
             raise RequestError(HTTPStatus.BAD_REQUEST, "'tools' are for /v1/chat/completions")
@@ -349,7 +413,7 @@ class EngineServer:
         prompts = self.on_engine(lambda: self._prompt_ids(prompt))
         if body.get("stream"):
             return self._stream(prompts, body, 16, "text_completion", "cmpl")
-        job = self._generate(prompts, body, default_max_tokens=16)
+        job = self._generate(prompts, body, 16, client_gone)
         choices = []
         for position in range(len(prompts)):
             for index in range(job.params.n):
@@ -360,24 +424,16 @@ class EngineServer:
                     "finish_reason": _FINISH[sample.status],
                     "logprobs": None,
                 }
-                if body.get("logprobs") not in (None, False):  # an int: the alternatives per token
-                    choice["logprobs"] = {
-                        "tokens": self._token_strings(sample.response_ids),
-                        "token_logprobs": list(sample.rollout_logprobs),
-                        "top_logprobs": [
-                            dict(zip(self._token_strings([t for t, _ in alts]), (lp for _, lp in alts)))
-                            for alts in sample.top_logprobs
-                        ]
-                        if sample.top_logprobs is not None
-                        else None,
-                        "text_offset": None,
-                    }
+                if _logprobs_asked(body, chat=False):
+                    choice["logprobs"] = self._completion_logprobs(sample)
                 if body.get("return_token_ids"):
                     _add_token_ids(choice, sample)
                 choices.append(choice)
         return self._envelope("text_completion", "cmpl", choices, job)
 
-    def chat_completions(self, body: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    def chat_completions(
+        self, body: dict[str, Any], client_gone: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | Iterator[dict[str, Any] | None]:
         self._check_model(body)
         messages = [_message(m) for m in _messages(body.get("messages"))]
         if self.engine.tokenizer is None:
@@ -385,7 +441,7 @@ class EngineServer:
                 HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
             )
         messages, tools, parse_calls = self._tools(body, messages)
-        prompts = [self.on_engine(lambda: self.formatter.ids(messages, tools))]
+        prompts = [self._chat_prompt(messages, tools)]
         fmt = ReplyFormat(
             reasoning=self.reasoning,
             thinking=self.reasoning and self.on_engine(lambda: self._opens_thinking(prompts[0])),
@@ -394,7 +450,7 @@ class EngineServer:
         )
         if body.get("stream"):
             return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl", fmt)
-        job = self._generate(prompts, body, default_max_tokens=None)
+        job = self._generate(prompts, body, None, client_gone)
         choices = []
         for index in range(job.params.n):
             sample = job.results[0, index]
@@ -405,27 +461,76 @@ class EngineServer:
                 "finish_reason": finish,
                 "logprobs": None,
             }
-            if body.get("logprobs"):
-                tokens = self._token_strings(sample.response_ids)
-                alternatives = sample.top_logprobs or [[] for _ in tokens]
-                choice["logprobs"] = {
-                    "content": [
-                        {
-                            "token": t,
-                            "logprob": lp,
-                            "bytes": list(t.encode()),
-                            "top_logprobs": [
-                                {"token": a, "logprob": alp, "bytes": list(a.encode())}
-                                for a, (_, alp) in zip(self._token_strings([i for i, _ in alts]), alts)
-                            ],
-                        }
-                        for t, lp, alts in zip(tokens, sample.rollout_logprobs, alternatives)
-                    ]
-                }
+            if _logprobs_asked(body, chat=True):
+                choice["logprobs"] = self._chat_logprobs(sample)
             if body.get("return_token_ids"):
                 _add_token_ids(choice, sample)
             choices.append(choice)
         return self._envelope("chat.completion", "chatcmpl", choices, job)
+
+    def _completion_logprobs(self, sample: Sample) -> dict[str, Any]:
+        """Completions' logprobs: each token's text and logprob, and its alternatives as {text: logprob}."""
+        tokens, alternatives = self._logprob_tokens(sample)
+        return {
+            "tokens": [_token_text(t) for t in tokens],
+            "token_logprobs": [_logprob(lp) for lp in sample.rollout_logprobs],
+            "top_logprobs": [
+                {_token_text(a): _logprob(lp) for a, (_, lp) in zip(alts, position)}
+                for alts, position in zip(alternatives, sample.top_logprobs)
+            ]
+            if sample.top_logprobs is not None
+            else None,
+            "text_offset": None,
+        }
+
+    def _chat_logprobs(self, sample: Sample) -> dict[str, Any]:
+        """Chat's logprobs: each token's text, logprob and bytes, with its alternatives alike."""
+        tokens, alternatives = self._logprob_tokens(sample)
+        positions = sample.top_logprobs or [[] for _ in tokens]
+
+        def entry(token: bytes, logprob: float) -> dict[str, Any]:
+            return {"token": _token_text(token), "logprob": _logprob(logprob), "bytes": list(token)}
+
+        return {
+            "content": [
+                {**entry(token, lp), "top_logprobs": [entry(a, alp) for a, (_, alp) in zip(alts, position)]}
+                for token, lp, alts, position in zip(tokens, sample.rollout_logprobs, alternatives, positions)
+            ]
+        }
+
+    def _logprob_tokens(self, sample: Sample) -> tuple[list[bytes], list[list[bytes]]]:
+        """The bytes of the sample's tokens and of each position's alternatives (none without
+        `top_logprobs`), in one trip to the engine's thread (the tokenizer is the engine's)."""
+        positions = sample.top_logprobs or [[] for _ in sample.response_ids]
+        flat = [t for position in positions for t, _ in position]
+        every = self._token_bytes_of([*sample.response_ids, *flat])
+        tokens, rest = every[: len(sample.response_ids)], iter(every[len(sample.response_ids) :])
+        return tokens, [[next(rest) for _ in position] for position in positions]
+
+    def _token_bytes_of(self, ids: list[int]) -> list[bytes]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return [str(t).encode() for t in ids]
+
+        def run() -> list[bytes]:
+            if self._token_bytes is None:
+                self._token_bytes = TokenBytes(tokenizer)
+            return self._token_bytes(ids)
+
+        return self.on_engine(run)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The chat template's prompt ids. A template that refuses the conversation (`raise_exception`, as
+        Qwen3's "No user query found in messages." does) answers the client, a 400; a template that does not
+        parse is the server's own fault and stays a 500."""
+        try:
+            return self.on_engine(lambda: self.formatter.ids(messages, tools))
+        except Exception as err:
+            if not _template_refused(err):
+                raise
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST, f"the model's chat template refused these messages: {err}"
+            ) from err
 
     def _tools(
         self, body: dict[str, Any], messages: list[dict[str, Any]]
@@ -456,10 +561,17 @@ class EngineServer:
         return self._renders_tools
 
     def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "miles"}],
-        }
+        return {"object": "list", "data": [self.model()]}
+
+    def model(self, model_id: str | None = None) -> dict[str, Any]:
+        """`GET /v1/models/{id}`: the served model's entry; another id is a 404."""
+        if model_id is not None and model_id != self.model_name:
+            raise RequestError(
+                HTTPStatus.NOT_FOUND,
+                f"model {model_id!r} is not served here; this server serves {self.model_name!r}",
+                "model_not_found",
+            )
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "miles"}
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -488,10 +600,14 @@ class EngineServer:
         return [ids_of(prompt)]
 
     def _generate(
-        self, prompts: list[list[int]], body: dict[str, Any], default_max_tokens: int | None
+        self,
+        prompts: list[list[int]],
+        body: dict[str, Any],
+        default_max_tokens: int | None,
+        client_gone: Callable[[], bool] | None = None,
     ) -> _Job:
         params = _sampling_params(body, default_max_tokens, self.engine.max_context, prompts)
-        job = self.run(prompts, params)
+        job = self.run(prompts, params, client_gone)
         if job.error is not None:
             raise job.error
         for sample in job.results.values():
@@ -507,13 +623,16 @@ class EngineServer:
         kind: str,
         prefix: str,
         fmt: ReplyFormat | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[dict[str, Any] | None]:
         """Server-sent events: the text of each choice as it is generated (OpenAI's chunk objects); a chat
-        reply's as `fmt` says (chat_reply.py)."""
+        reply's as `fmt` says (chat_reply.py). Everything that can refuse the request runs before its job
+        is queued: a job queued for a refused request would generate for nobody."""
         if self.engine.tokenizer is None:
             raise RequestError(HTTPStatus.BAD_REQUEST, "streaming needs a tokenizer; send stream=false")
-        if body.get("logprobs") not in (None, False, 0) or body.get("return_token_ids"):
+        chat = kind == "chat.completion.chunk"
+        if _logprobs_asked(body, chat) or body.get("return_token_ids"):
             raise RequestError(HTTPStatus.BAD_REQUEST, "logprobs and return_token_ids need stream=false")
+        include_usage = _include_usage(body.get("stream_options"))
         params = _sampling_params(body, default_max_tokens, self.engine.max_context, prompts)
         # Refused before any event, as a non-streamed request would be (the engine's own checks).
         problems = self.on_engine(lambda: [self.engine.validate_prompt(ids) for ids in prompts])
@@ -522,12 +641,14 @@ class EngineServer:
                 raise RequestError(HTTPStatus.BAD_REQUEST, problem)
         job = _Job(prompts, params, events=queue.Queue())
         self._jobs.put(job)
-        options = body.get("stream_options") or {}
-        return self._events(job, kind, prefix, bool(options.get("include_usage")), fmt or ReplyFormat())
+        return self._events(job, kind, prefix, include_usage, fmt or ReplyFormat())
 
     def _events(
         self, job: _Job, kind: str, prefix: str, include_usage: bool, fmt: ReplyFormat
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[dict[str, Any] | None]:
+        """The stream's chunks; None for a keep-alive comment, sent when nothing else went out for
+        `keepalive_s` (a tool call or a partial tag held back, a long prefill): the write is what notices a
+        client that hung up, which then stops its generation."""
         ident, created, n = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), job.params.n
         chat = kind == "chat.completion.chunk"
         replies: dict[int, ReplyStream] = {}
@@ -550,14 +671,25 @@ class EngineServer:
                         for i in range(len(job.prompts) * n)
                     ]
                 )
+            timeout_s = self.request_timeout_s
+            stall_at = None if timeout_s is None else time.monotonic() + timeout_s
+            sent_at = time.monotonic()
             while True:
                 try:
-                    event = job.events.get(timeout=self.request_timeout_s)  # type: ignore[union-attr]
+                    event = job.events.get(timeout=self._wait_s(stall_at, self.keepalive_s))  # type: ignore[union-attr]
                 except queue.Empty:
-                    yield {
-                        "error": {"message": "generation stalled past the request timeout", "type": "timeout"}
-                    }
-                    return
+                    if stall_at is not None and time.monotonic() >= stall_at:
+                        yield {
+                            "error": {
+                                "message": "generation stalled past the request timeout",
+                                "type": "timeout",
+                            }
+                        }
+                        return
+                    sent_at = time.monotonic()
+                    yield None
+                    continue
+                stall_at = None if timeout_s is None else time.monotonic() + timeout_s
                 if event is None:
                     break
                 position, index, text, finish = event
@@ -565,10 +697,17 @@ class EngineServer:
                     reply = replies.setdefault(position * n + index, ReplyStream(fmt))
                     delta, finish = reply.delta(text, finish)
                     if delta or finish is not None:
+                        sent_at = time.monotonic()
                         yield chunk(
                             [{"index": position * n + index, "delta": delta, "finish_reason": finish}]
                         )
+                    elif (
+                        time.monotonic() - sent_at >= self.keepalive_s
+                    ):  # held back (a tool call, a partial tag)
+                        sent_at = time.monotonic()
+                        yield None
                 else:
+                    sent_at = time.monotonic()
                     yield chunk(
                         [
                             {
@@ -587,14 +726,11 @@ class EngineServer:
                 yield {**chunk([]), "usage": _usage(job)}
         finally:
             if not finished:  # the client went away (or the stream stalled): stop generating for it
-                job.cancelled = True
-                self._jobs.put(job)
+                self._cancel(job)
 
     def _token_strings(self, ids: list[int]) -> list[str]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return [str(t) for t in ids]
-        return self.on_engine(lambda: [tokenizer.decode([t]) for t in ids])
+        """Each token's text, as logprobs show it (`_token_text` of its bytes)."""
+        return [_token_text(b) for b in self._token_bytes_of(ids)]
 
     def _envelope(self, kind: str, prefix: str, choices: list[dict[str, Any]], job: _Job) -> dict[str, Any]:
         return {
@@ -623,21 +759,136 @@ def _add_token_ids(choice: dict[str, Any], sample: Sample) -> None:
     choice["token_ids"] = list(sample.response_ids)
 
 
+def request_timeout(seconds: float | None) -> float | None:
+    """A request's time limit: > 0 seconds, or None for none (inf, a natural "no limit", is None: waiting
+    `inf` seconds raises in Python's threading)."""
+    if seconds is None or seconds == math.inf:
+        return None
+    if not 0 < seconds < math.inf:  # NaN fails too
+        raise ValueError(f"request_timeout_s must be > 0 seconds (inf: no limit), got {seconds}")
+    return float(seconds)
+
+
+def _template_refused(err: BaseException) -> bool:
+    """Whether `err` is a chat template refusing the conversation: jinja2's TemplateError, which the
+    templates' `raise_exception` raises, but not a TemplateSyntaxError (a template that does not parse)."""
+    jinja2 = sys.modules.get("jinja2")  # loaded by whatever rendered the template; not loaded: none did
+    if jinja2 is None:
+        return False
+    return isinstance(err, jinja2.TemplateError) and not isinstance(err, jinja2.TemplateSyntaxError)
+
+
+def _logprobs_asked(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the request asks for logprobs. Chat's `logprobs` is a boolean; completions' an integer, 0
+    included (the sampled tokens' logprobs, no alternatives), so only null or false turn it off there."""
+    value = body.get("logprobs")
+    return bool(value) if chat else value is not None and value is not False
+
+
+def _include_usage(options: Any) -> bool:
+    """`stream_options.include_usage`; anything but an object (or null) is a 400, checked before the job
+    is queued."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise RequestError(
+            HTTPStatus.BAD_REQUEST, "'stream_options' must be an object, e.g. {\"include_usage\": true}"
+        )
+    return bool(options.get("include_usage"))
+
+
+def _logprob(value: float) -> float:
+    """A logprob JSON can hold: a non-finite one (-inf: dropped by top-p / top-k) becomes NO_LOGPROB."""
+    return value if math.isfinite(value) else NO_LOGPROB
+
+
+def _token_text(token: bytes) -> str:
+    """A token's text for logprobs: its bytes as UTF-8, where a byte that is part of a character the token
+    holds only a piece of shows as `\\xNN` (as OpenAI's API does), not U+FFFD: so the pieces of different
+    characters stay apart (completions' alternatives are keyed by their text) and none reads as a character."""
+    return token.decode("utf-8", errors="backslashreplace")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed (the byte each of its characters stands for): printable bytes
+    stand for themselves, the others, in order, for the characters from U+0100 (`bytes_to_unicode`)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)}
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """Each token's own bytes, from its vocabulary entry: decoding one token at a time turns a byte-level
+    token that holds part of a multi-byte character into U+FFFD, losing the bytes logprobs' `bytes` exist
+    to give. Byte-level BPE (GPT-2, Llama 3, Qwen): the entry's characters stand for bytes. SentencePiece:
+    `<0xNN>` byte-fallback entries are that byte, `▁` a space. Anything else (added tokens, tokenizers of
+    other kinds, entries outside the alphabet): the token decoded alone."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        kinds = _decoder_kinds(tokenizer)
+        self.byte_level = "ByteLevel" in kinds
+        self.byte_fallback = "ByteFallback" in kinds
+        self.metaspace = "Metaspace" in kinds or "Replace▁" in kinds
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
+
+    def __call__(self, ids: list[int]) -> list[bytes]:
+        if self.byte_level or self.byte_fallback or self.metaspace:
+            pieces = list(self.tokenizer.convert_ids_to_tokens([int(t) for t in ids]))
+        else:
+            pieces = [None] * len(ids)
+        return [self._one(int(t), piece) for t, piece in zip(ids, pieces)]
+
+    def _one(self, token: int, piece: str | None) -> bytes:
+        if token in self.added:
+            return self.added[token].encode()
+        if isinstance(piece, str) and piece:
+            if self.byte_level and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            if self.byte_fallback and (match := _BYTE_FALLBACK.fullmatch(piece)):
+                return bytes([int(match.group(1), 16)])
+            if self.metaspace and not self.byte_level:
+                return piece.replace("\u2581", " ").encode()
+        return str(self.tokenizer.decode([token])).encode()
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """The types in a fast tokenizer's decoder (a Sequence's too), "Replace▁" for a `▁` -> space Replace;
+    empty where there is none to read (a slow tokenizer)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    try:
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    except Exception:  # a decoder that does not serialise: no shortcut, each token decoded alone
+        return set()
+    kinds: set[str] = set()
+    stack = [spec]
+    while stack:
+        part = stack.pop()
+        if not isinstance(part, dict):
+            continue
+        kinds.add(str(part.get("type")))
+        if part.get("type") == "Replace" and part.get("pattern", {}).get("String") == "\u2581":
+            kinds.add("Replace▁")
+        stack += part.get("decoders") or []
+    return kinds
+
+
 def _sampling_params(
     body: dict[str, Any], default_max_tokens: int | None, max_context: int, prompts: list[list[int]]
 ) -> SamplingParams:
-    for key, off in (("echo", False), ("suffix", None), ("logit_bias", None)):
-        if body.get(key) not in (off, None, {}):
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported")
+    for key, (no_ops, message) in _NO_OPS.items():
+        if body.get(key) is not None and body[key] not in no_ops:
+            raise RequestError(HTTPStatus.BAD_REQUEST, message)
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported (only 0)")
     if body.get("best_of") not in (None, 1):
         raise RequestError(HTTPStatus.BAD_REQUEST, "'best_of' > 1 is not supported")
-    for key in ("functions", "function_call", "response_format"):
-        if body.get(key) not in (None, [], "none"):
-            hint = "send 'tools' instead" if key.startswith("function") else "no JSON mode"
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} is not supported ({hint})")
     alternatives = _alternatives_asked(body)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -648,9 +899,10 @@ def _sampling_params(
         max_tokens = max(1, max_context - max(len(p) for p in prompts))
     stop = body.get("stop") or []
     try:
+        temperature = float(_given(body, "temperature", 1.0))
         return SamplingParams(
             n=int(_given(body, "n", 1)),
-            temperature=float(_given(body, "temperature", 1.0)),
+            temperature=0.0 if 0 < temperature < GREEDY_BELOW else temperature,
             top_p=float(_given(body, "top_p", 1.0)),
             top_k=int(_given(body, "top_k", -1)),
             min_p=float(_given(body, "min_p", 0.0)),
@@ -661,7 +913,7 @@ def _sampling_params(
             ignore_eos=bool(_given(body, "ignore_eos", False)),
             top_logprobs=alternatives,
         )
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:  # OverflowError: int() of Infinity or 1e999
         raise RequestError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {err}") from err
 
 
@@ -723,6 +975,27 @@ def _message(m: Any) -> dict[str, Any]:
     return out
 
 
+class _HTTPServer6(ThreadingHTTPServer):
+    """The HTTP server on an IPv6 socket (`--host ::1`): socketserver's default family is IPv4 only."""
+
+    address_family = socket.AF_INET6
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the client at the other end of `sock` hung up: the socket reads as closed (EOF) or broken.
+    Bytes waiting there (a pipelined request) are left unread and are no hang-up; nothing waits."""
+    try:
+        if hasattr(select, "poll"):  # poll has no FD_SETSIZE limit, which select's 1024 is
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            readable = bool(poller.poll(0))
+        else:
+            readable = bool(select.select([sock], [], [], 0)[0])
+        return readable and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset by the peer, or already closed here
+        return True
+
+
 def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
     routes = {
         ("POST", "/v1/completions"): server.completions,
@@ -731,34 +1004,57 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        _body_consumed = False
+        """This request's body was read or discarded (reading it twice would block on the next request)."""
+
+        @property
+        def route_path(self) -> str:
+            """The path without its query string (`?api-version=...`), which no route reads."""
+            return urllib.parse.urlsplit(self.path).path
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            self._body_consumed = False
             if self.headers.get("Content-Length") or self.headers.get("Transfer-Encoding"):
                 self._discard_body()  # else a body would be read as the next request on this connection
-            if self.path == "/health":
+            path = self.route_path
+            if path == "/health":
                 if server.engine_alive:
                     self._send(HTTPStatus.OK, {"status": "ok"})
                 else:
                     self._send(HTTPStatus.SERVICE_UNAVAILABLE, {"status": "engine thread stopped"})
-            elif self.path == "/v1/models":
+            elif path in ("/v1/models", "/v1/models/"):
                 self._authorized() and self._send(HTTPStatus.OK, server.models())
+            elif path.startswith("/v1/models/"):
+                if self._authorized():
+                    try:  # an id may hold slashes ("org/name") and escapes
+                        self._send(
+                            HTTPStatus.OK, server.model(urllib.parse.unquote(path[len("/v1/models/") :]))
+                        )
+                    except RequestError as err:
+                        self._error(err)
             else:
-                self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route GET {self.path}", "not_found"))
+                self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route GET {path}", "not_found"))
 
         def do_POST(self) -> None:  # noqa: N802
-            route = routes.get(("POST", self.path))
+            self._body_consumed = False
+            route = routes.get(("POST", self.route_path))
             if route is None:
                 self._discard_body()
-                self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route POST {self.path}", "not_found"))
+                self._error(
+                    RequestError(HTTPStatus.NOT_FOUND, f"no route POST {self.route_path}", "not_found")
+                )
                 return
             if not self._authorized():
                 return
             try:
-                result = route(self._body())
+                result = route(self._body(), self._client_gone)
                 if isinstance(result, dict):
                     self._send(HTTPStatus.OK, result)
                 else:
                     self._send_events(result)
+            except ClientGone:  # nobody to answer: its generation was aborted
+                self.close_connection = True
+                log.info("a client hung up before its response; its generation was aborted")
             except RequestError as err:
                 self._error(err)
             except Exception as err:  # a bug: the request fails, the server stays up
@@ -768,6 +1064,9 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                         HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(err).__name__}: {err}", "server_error"
                     )
                 )
+
+        def _client_gone(self) -> bool:
+            return _peer_closed(self.connection)
 
         def _authorized(self) -> bool:
             if server.api_key is None:
@@ -791,6 +1090,7 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             return int(value) if value.isdigit() else None
 
         def _body(self) -> dict[str, Any]:
+            self._body_consumed = True
             if self.headers.get("Transfer-Encoding"):
                 raise RequestError(
                     HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length (no chunked bodies)"
@@ -810,6 +1110,9 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             return body
 
         def _discard_body(self) -> None:
+            if self._body_consumed:  # already read or dropped: a second read would wait for bytes never sent
+                return
+            self._body_consumed = True
             length = self._length()
             if length is not None and 0 < length <= MAX_BODY_BYTES:
                 self.rfile.read(length)
@@ -824,8 +1127,9 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 err.status, {"error": {"message": err.message, "type": err.kind, "code": int(err.status)}}
             )
 
-        def _send_events(self, events: Iterator[dict[str, Any]]) -> None:
-            """Server-sent events, then `data: [DONE]`; the connection closes at the end (no length)."""
+        def _send_events(self, events: Iterator[dict[str, Any] | None]) -> None:
+            """Server-sent events, then `data: [DONE]`; the connection closes at the end (no length). A None
+            is a keep-alive comment, which clients skip."""
             first = next(events)  # a RequestError before any event still becomes a plain error response
             self.close_connection = True
             try:
@@ -835,7 +1139,10 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header("Connection", "close")
                 self.end_headers()
                 for event in itertools.chain([first], events):
-                    self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    if event is None:
+                        self.wfile.write(b": keep-alive\n\n")
+                    else:
+                        self.wfile.write(b"data: " + _json(event) + b"\n\n")
                     self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
@@ -845,7 +1152,7 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 events.close()  # type: ignore[attr-defined]
 
         def _send(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
+            data = _json(payload)
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -858,3 +1165,9 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             log.debug("%s %s", self.address_string(), format % args)  # the request line only, never a body
 
     return Handler
+
+
+def _json(payload: dict[str, Any]) -> bytes:
+    """Strict JSON: a NaN or infinity left in a payload (logprobs go through `_logprob`) is a bug that
+    fails the request (a 500) instead of sending what strict parsers (JavaScript, serde) reject."""
+    return json.dumps(payload, allow_nan=False).encode()

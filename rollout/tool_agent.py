@@ -30,6 +30,8 @@ The environment's tokens are what the template adds between the conversation wit
 and the conversation with the tool turns (and the next generation prompt): the template's rendering of the
 assistant's turn itself is not used, the model's own tokens stay, so the trained tokens are exactly the
 sampled ones. `metadata["tool_calls"]` counts the calls made, `metadata["tool_errors"]` those that failed.
+Tool answers that leave no room in the context (`client.max_context`) for another model token end the
+trajectory as TRUNCATED, without them: the model's turns so far still train.
 """
 
 from __future__ import annotations
@@ -110,7 +112,15 @@ def tool_agent(
             after = render(messages, True)
             if not after.startswith(before):
                 raise ValueError("the chat template renders an earlier turn differently once tools answered")
-            traj.add_tokens(client.encode(after[len(before) :]))
+            answer_ids = client.encode(after[len(before) :])
+            if len(traj.ids) + len(answer_ids) + 1 > client.max_context:
+                # No room for another model token: the engine would refuse the next turn and that refusal
+                # (ABORTED) would drop the whole trajectory from training. It ends here as a length cut,
+                # without the answers: nothing after them would be trained, and the sample stays within
+                # the model's context.
+                traj.status = SampleStatus.TRUNCATED
+                break
+            traj.add_tokens(answer_ids)
         out = traj.to_sample(tokenizer)
         out.metadata.update(tool_calls=calls, tool_errors=errors)
         return out

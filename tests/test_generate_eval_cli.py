@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def miles(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -71,6 +73,30 @@ def test_generate_bad_input_is_clean(tmp_path: Path) -> None:
     assert out.returncode == 2 and "not valid JSON" in out.stderr and "Traceback" not in out.stderr
     out = miles("eval", "--model", "builtin:nope", cwd=tmp_path)
     assert out.returncode == 2 and "tiny_moe_math" in out.stderr
+
+
+def test_prompt_file_errors_name_the_file_s_own_line(tmp_path: Path) -> None:
+    """Blank lines count in the line numbers; a line that is JSON but not an object is a clean error."""
+    from miles.errors import MilesUserError
+    from miles.generate_cli import read_prompts
+
+    cases = [
+        ('{"prompt": "a"}\n\n\n{"prompt": "b"\n', ":4 is not valid JSON"),
+        ('"just a string"\n', ":1 is not a JSON object with a 'prompt' field"),
+        ('{"prompt": "a"}\n\n["a", "list"]\n', ":3 is not a JSON object with a 'prompt' field"),
+        ('{"text": "a"}\n', ":1 is not a JSON object with a 'prompt' field"),
+    ]
+    for i, (text, message) in enumerate(cases):
+        path = tmp_path / f"p{i}.jsonl"
+        path.write_text(text)
+        with pytest.raises(MilesUserError, match=message):
+            read_prompts(path)
+    path = tmp_path / "ok.jsonl"
+    path.write_text('\n{"prompt": "a"}\n\n{"prompt": [{"role": "user", "content": "b"}]}\n')
+    assert read_prompts(path) == ["a", [{"role": "user", "content": "b"}]]
+    text = tmp_path / "p.txt"
+    text.write_text("one\n\n  \ntwo\n")
+    assert read_prompts(text) == ["one", "two"]
 
 
 def test_eval_shipped_checkpoint_is_a_weak_start(tmp_path: Path) -> None:

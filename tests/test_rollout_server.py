@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from miles.data import PromptFormatter
 from miles.model_io import load_model
 from miles.rollout import Engine, SamplingParams
 from miles.rollout.server import EngineServer
+from miles.sample import Sample, SampleStatus
 
 MODEL = "builtin:tiny_moe_math"
 
@@ -427,3 +429,376 @@ def test_the_detokenizer_streams_a_stop_string_s_multibyte_characters_not_at_all
         pieces.append(safe[len(decoder.sent) :])
         decoder.sent = safe
     assert "".join(pieces) == "X" and not any("答" in p or "\ufffd" in p for p in pieces)
+
+
+class ScriptedEngine:
+    """An engine stand-in whose every request "generates" the tokens of `text`, one a step, `step_s` apart
+    (logprob -0.5; with `top_logprobs`, the token itself and `alternative` at -inf): fast tests of what the
+    server does around generation (hang-ups, held-back tool calls, token bytes)."""
+
+    def __init__(self, tokenizer: Any, text: str, step_s: float = 0.0, alternative: int = 0) -> None:
+        self.tokenizer, self.step_s, self.alternative = tokenizer, step_s, alternative
+        self.script = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.max_context, self.device = 100_000, None
+        self.running: dict[int, tuple[list[int], SamplingParams, list[int], int]] = {}
+        self.results: dict[int, Sample] = {}
+        self.aborting: set[int] = set()
+        self.aborted = 0
+        self._next = 0
+
+    def validate_prompt(self, ids: list[int]) -> str | None:
+        return None
+
+    def add_request(self, ids: list[int], params: SamplingParams, group_id: int = 0, index: int = 0) -> int:
+        rid, self._next = self._next, self._next + 1
+        self.running[rid] = (list(ids), params, [], index)
+        return rid
+
+    def abort(self, rid: int) -> None:
+        if rid in self.running:
+            self.aborting.add(rid)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> None:
+        time.sleep(self.step_s)
+        for rid, (prompt, params, out, index) in list(self.running.items()):
+            if rid in self.aborting:
+                status, self.aborted = SampleStatus.ABORTED, self.aborted + 1
+            else:
+                out.append(self.script[len(out)])
+                done = len(out) == len(self.script) or len(out) >= params.max_new_tokens
+                status = (
+                    (SampleStatus.COMPLETED if len(out) == len(self.script) else SampleStatus.TRUNCATED)
+                    if done
+                    else None
+                )
+            if status is None:
+                continue
+            del self.running[rid]
+            self.results[rid] = Sample(
+                prompt_ids=prompt,
+                response_ids=list(out),
+                response_text=self.tokenizer.decode(out, skip_special_tokens=True),
+                rollout_logprobs=[-0.5] * len(out),
+                status=status,
+                index=index,
+                top_logprobs=[[(t, -0.5), (self.alternative, float("-inf"))] for t in out]
+                if params.top_logprobs
+                else None,
+            )
+
+    def take_result(self, rid: int) -> Sample | None:
+        return self.results.pop(rid, None)
+
+    def partial_output(self, rid: int) -> list[int] | None:
+        running = self.running.get(rid)
+        return None if running is None else list(running[2])
+
+
+def scripted_server(tokenizer: Any, text: str, **kwargs: Any) -> EngineServer:
+    """A server over a `ScriptedEngine` (`step_s`, `alternative` go to it; the rest to the server)."""
+    engine_kwargs = {k: kwargs.pop(k) for k in ("step_s", "alternative") if k in kwargs}
+    engine = ScriptedEngine(tokenizer, text, **engine_kwargs)
+    server = EngineServer(engine, PromptFormatter(tokenizer, DataConfig()), "tiny", port=0, **kwargs)
+    server.start()
+    return server
+
+
+def raw_request(server: EngineServer, path: str, body: dict[str, Any] | bytes) -> bytes:
+    """A POST sent over a bare socket, as its request bytes (for tests that hang up or need the raw reply)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+
+
+def wait_idle(engine: Any, seconds: float = 20.0) -> float:
+    """Seconds until `engine` has nothing running (at most `seconds`)."""
+    start = time.monotonic()
+    while engine.has_unfinished and time.monotonic() - start < seconds:
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def strict_json(raw: bytes) -> Any:
+    """JSON as strict parsers (JavaScript's, serde) read it: a bare NaN or Infinity fails."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"bare {constant} in the JSON")
+
+    return json.loads(raw, parse_constant=refuse)
+
+
+def byte_level_tokenizer() -> Any:
+    """A tiny byte-level BPE tokenizer (as GPT-2's, Llama 3's, Qwen's): a rare character is one token a byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        ["hello world"],
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, special_tokens=["<e>"]),
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<e>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+    return tokenizer
+
+
+def test_stream_options_that_is_not_an_object_is_a_400_and_nothing_runs(server: EngineServer) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": True,
+        "ignore_eos": True,
+        "max_tokens": 500,
+    }
+    status, out = call(server, "/v1/chat/completions", body)
+    assert status == 400 and "'stream_options' must be an object" in out["error"]["message"], out
+    time.sleep(0.2)  # a job queued before the check would be running by now
+    assert not server.engine.has_unfinished
+
+
+def test_completions_logprobs_0_are_the_sampled_tokens_logprobs(server: EngineServer) -> None:
+    status, out = call(server, "/v1/completions", {"prompt": "1+1=", "max_tokens": 3, "logprobs": 0})
+    assert status == 200, out
+    logprobs = out["choices"][0]["logprobs"]
+    assert logprobs is not None and logprobs["top_logprobs"] is None
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == out["usage"]["completion_tokens"]
+    status, out = call(server, "/v1/completions", {"prompt": "1+1=", "logprobs": 0, "stream": True})
+    assert status == 400 and "need stream=false" in out["error"]["message"]  # asked for, not sent: refused
+
+
+def test_the_no_op_values_of_unsupported_fields_are_accepted(server: EngineServer) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in [
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "text"}}),
+        ("/v1/completions", {"prompt": "1", "max_tokens": 2, "suffix": ""}),
+        ("/v1/completions", {"prompt": "1", "max_tokens": 2, "echo": False, "logit_bias": {}}),
+    ]:
+        status, out = call(server, path, body)
+        assert status == 200, (body, out)
+    for body, message in [
+        ({"prompt": "1", "suffix": "end"}, "'suffix' is not supported"),
+        ({"prompt": "1", "response_format": {"type": "json_schema"}}, 'only {"type": "text"}'),
+    ]:
+        status, out = call(server, "/v1/completions", body)
+        assert status == 400 and message in out["error"]["message"], (body, out)
+
+
+def test_logprobs_carry_each_token_s_own_bytes() -> None:
+    """Byte-level tokens that each hold a piece of "é" (bytes C3 A9): `bytes` is each token's byte, not
+    U+FFFD's; the text shows the byte, so the alternatives of completions (keyed by text) stay apart; and
+    the -inf logprob of a dropped alternative is -9999.0 in strict JSON."""
+    tokenizer = byte_level_tokenizer()
+    pieces = tokenizer("é", add_special_tokens=False)["input_ids"]
+    assert len(pieces) == 2 and tokenizer.decode([pieces[0]]) == "\ufffd"  # the case this is about
+    other = tokenizer("h", add_special_tokens=False)["input_ids"][0]
+    server = scripted_server(tokenizer, "é", alternative=other)
+    try:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+        status, out = call(server, "/v1/chat/completions", chat)
+        assert status == 200, out
+        content = out["choices"][0]["logprobs"]["content"]
+        assert [t["bytes"] for t in content] == [[0xC3], [0xA9]]
+        assert [t["token"] for t in content] == ["\\xc3", "\\xa9"]
+        assert bytes(b for t in content for b in t["bytes"]).decode() == "é"
+        assert [a["logprob"] for a in content[0]["top_logprobs"]] == [-0.5, -9999.0]
+        assert content[0]["top_logprobs"][1] == {"token": "h", "logprob": -9999.0, "bytes": [ord("h")]}
+        assert EngineServer._token_strings(server, pieces) == ["\\xc3", "\\xa9"]
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                server.url + "/v1/completions",
+                data=json.dumps({"prompt": "hi", "logprobs": 2}).encode(),
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=30,
+        ) as response:
+            out = strict_json(response.read())
+        top = out["choices"][0]["logprobs"]["top_logprobs"]
+        assert top == [{"\\xc3": -0.5, "h": -9999.0}, {"\\xa9": -0.5, "h": -9999.0}]
+    finally:
+        server.shutdown()
+
+
+def test_token_bytes_of_other_tokenizers(loaded: Any) -> None:
+    """The GPT-2 alphabet is the tokenizers library's; a tokenizer that is not byte-level (the tiny model's:
+    characters) takes each token decoded alone, and added (special) tokens are their text."""
+    from tokenizers import pre_tokenizers
+
+    from miles.rollout.server import _BYTE_LEVEL, TokenBytes
+
+    assert (
+        sorted(_BYTE_LEVEL) == sorted(pre_tokenizers.ByteLevel.alphabet())
+        and len(set(_BYTE_LEVEL.values())) == 256
+    )
+    tokenizer = loaded.tokenizer
+    ids = [
+        *tokenizer("12 + 7", add_special_tokens=False)["input_ids"],
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    assert TokenBytes(tokenizer)(ids) == [tokenizer.decode([t]).encode() for t in ids]
+
+
+def test_a_stop_string_of_multibyte_characters_is_found_one_byte_a_token() -> None:
+    """The stop-string look-back counts tokens: one token a byte, a stop string of three 4-byte characters
+    needs 12 tokens, more than its 3 characters + 8."""
+    from miles.rollout.outputs import hit_stop_string
+    from miles.rollout.request import Request
+
+    class Bytes:  # one token per UTF-8 byte
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    for stop in ["答案", "最终答案", "🙂🙂🙂"]:
+        req = Request(rid=0, prompt_ids=[1], params=SamplingParams(stop=[stop]), seed=0)
+        for byte in f"x{stop}tail".encode():
+            req.output_ids.append(byte)
+            if hit_stop_string(req, Bytes()):
+                break
+        assert req.stop_text == "x" and len(req.output_ids) == 1 + len(stop.encode()), stop
+
+
+def test_a_non_streamed_request_whose_client_hangs_up_is_aborted(loaded: Any) -> None:
+    """An SDK that times out hangs up and retries: without watching the socket, every try would generate to
+    its end for nobody."""
+    import socket
+
+    server = scripted_server(loaded.tokenizer, "7 " * 1000, step_s=0.003)
+    server.client_poll_s = 0.05
+    try:
+        host, port = server.httpd.server_address[:2]
+        with socket.create_connection((host, port), timeout=10) as client:
+            client.sendall(raw_request(server, "/v1/completions", {"prompt": "1", "max_tokens": 2000}))
+            time.sleep(0.3)
+        assert wait_idle(server.engine) < 2.0  # not the 6 s the whole script takes
+        assert server.engine.aborted == 1
+        assert call(server, "/health") == (200, {"status": "ok"})
+    finally:
+        server.shutdown()
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(loaded: Any) -> None:
+    import copy
+
+    tokenizer = copy.deepcopy(loaded.tokenizer)
+    tokenizer.chat_template = (
+        "{%- if messages[-1].role != 'user' %}{{ raise_exception('No user query found in messages.') }}"
+        "{% endif %}{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+    )
+    server = scripted_server(tokenizer, "ok")
+    try:
+        body = {"messages": [{"role": "system", "content": "x"}], "max_tokens": 2}
+        status, out = call(server, "/v1/chat/completions", body)
+        assert status == 400 and out["error"]["type"] == "invalid_request_error", out
+        assert "No user query found in messages." in out["error"]["message"]
+    finally:
+        server.shutdown()
+
+
+def test_infinite_integers_are_a_400(server: EngineServer) -> None:
+    for field_ in ("max_tokens", "n", "top_k", "seed"):
+        for value in ("Infinity", "1e999"):
+            raw = b'{"prompt": "1", "%s": %s}' % (field_.encode(), value.encode())
+            status, out = call(server, "/v1/completions", raw)
+            assert status == 400 and "bad sampling parameter" in out["error"]["message"], (field_, out)
+
+
+def test_a_tiny_temperature_is_greedy_and_the_json_strict(server: EngineServer) -> None:
+    """1e-45 > 0, but logits divided by it overflow to NaN: sampled as temperature 0, with finite logprobs."""
+
+    def completion(temperature: float) -> Any:
+        body = {"prompt": "1+1=", "max_tokens": 4, "temperature": temperature, "logprobs": 1}
+        request = urllib.request.Request(
+            server.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return strict_json(response.read())["choices"][0]
+
+    greedy = completion(0.0)
+    for temperature in (1e-45, 1e-30, 5e-324):
+        assert completion(temperature) == greedy, temperature
+
+
+def test_a_get_with_a_body_and_a_wrong_key_is_a_401(loaded: Any) -> None:
+    import socket
+
+    server = scripted_server(loaded.tokenizer, "ok", api_key="k")
+    try:
+        host, port = server.httpd.server_address[:2]
+        for auth, code in ((b"Bearer k", b"200"), (b"Bearer wrong", b"401")):
+            with socket.create_connection((host, port), timeout=5) as client:
+                client.sendall(
+                    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                    + auth
+                    + b"\r\nContent-Length: 2\r\n\r\n{}"
+                )
+                assert client.recv(100).startswith(b"HTTP/1.1 " + code)  # no answer: a timeout error
+    finally:
+        server.shutdown()
+
+
+def test_the_request_timeout_is_checked_and_inf_is_none(loaded: Any) -> None:
+    from miles.errors import MilesUserError
+    from miles.serve_cli import main
+
+    server = scripted_server(loaded.tokenizer, "12", request_timeout_s=float("inf"))
+    try:
+        assert server.request_timeout_s is None
+        status, out = call(server, "/v1/completions", {"prompt": "1", "max_tokens": 2})
+        assert status == 200, out
+        events = stream(server, "/v1/completions", {"prompt": "1", "max_tokens": 2})
+        assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == "12"
+    finally:
+        server.shutdown()
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="request_timeout_s must be > 0"):
+            EngineServer(server.engine, server.formatter, "tiny", port=0, request_timeout_s=bad)
+        with pytest.raises(MilesUserError, match="--request-timeout-s"):  # before the model loads
+            main(["--model", "builtin:nope", "--request-timeout-s", str(bad)])
+
+
+def test_an_ipv6_host_binds_an_ipv6_socket(loaded: Any) -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as err:
+        pytest.skip(f"no IPv6 loopback here: {err}")
+    server = scripted_server(loaded.tokenizer, "ok", host="::1")
+    try:
+        assert server.url.startswith("http://[::1]:")
+        assert call(server, "/health") == (200, {"status": "ok"})
+    finally:
+        server.shutdown()
+
+
+def test_query_strings_are_ignored_and_a_model_can_be_fetched(server: EngineServer) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert call(server, "/v1/chat/completions?api-version=2024-06-01", body)[0] == 200
+    assert call(server, "/health?probe=1") == (200, {"status": "ok"})
+    status, out = call(server, "/v1/models/tiny")
+    assert status == 200 and out["id"] == "tiny" and out["object"] == "model"
+    status, out = call(server, "/v1/models/gpt-4")
+    assert status == 404 and out["error"]["type"] == "model_not_found"
+
+
+def test_a_failed_bind_names_what_to_change() -> None:
+    import errno
+    import socket
+
+    from miles.serve_cli import _listen_hint
+
+    assert "--port" in _listen_hint(OSError(errno.EADDRINUSE, "Address already in use"))
+    assert "--host" in _listen_hint(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert "--host" in _listen_hint(OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"))

@@ -70,6 +70,8 @@ class ScriptedClient:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
         self.prompts.append(list(prompt_ids))
+        if len(prompt_ids) + 1 > self.max_context:  # as the engine refuses a prompt with no room left
+            return Sample(prompt_ids=prompt_ids, status=SampleStatus.ABORTED, metadata={"error": "too long"})
         text = self.replies.pop(0)
         ids = self.encode(text + "<|im_end|>")
         return Sample(
@@ -131,6 +133,31 @@ def test_turns_end_at_max_turns_and_a_slow_tool_times_out(tokenizer: Any) -> Non
     out = asyncio.run(generate(client, Sample(prompt="go"), SamplingParams()))
     assert out.metadata["turns"] == 2 and out.metadata["tool_errors"] == 2 and len(client.replies) == 1
     assert "error: slow took longer than 0.05 s" in tokenizer.decode(out.response_ids)
+
+
+def test_tool_answers_past_the_context_end_the_trajectory_as_truncated(tokenizer: Any) -> None:
+    """A tool answer that leaves no room for another token: the engine would refuse the next turn (ABORTED),
+    which drops the whole trajectory from training. It ends as a length cut instead, without the answer,
+    within the context, with the model's turn trained on."""
+
+    def lookup(q: str) -> str:
+        """Looks something up.
+
+        Args:
+            q: the query
+        """
+        return "y" * 2000
+
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"q": "a"}}\n</tool_call>'
+    client = ScriptedClient(tokenizer, [call, "never asked"], max_context=600)
+    out = asyncio.run(tool_agent([lookup])(client, Sample(prompt="go"), SamplingParams()))
+    assert out.status == SampleStatus.TRUNCATED and out.metadata["turns"] == 1 and len(client.prompts) == 1
+    assert out.response_ids == client.encode(call + "<|im_end|>") and all(out.loss_mask)
+    assert len(out.prompt_ids) + len(out.response_ids) <= client.max_context
+    # An answer that fits goes on as before.
+    client = ScriptedClient(tokenizer, [call, "done"], max_context=100_000)
+    out = asyncio.run(tool_agent([lookup])(client, Sample(prompt="go"), SamplingParams()))
+    assert out.status == SampleStatus.COMPLETED and out.metadata["turns"] == 2
 
 
 def test_bad_setups_are_refused_with_what_to_do(tokenizer: Any) -> None:

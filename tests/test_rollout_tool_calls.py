@@ -8,11 +8,13 @@ import copy
 import json
 import queue
 import random
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_rollout_server import call
+from test_rollout_server import call, raw_request, scripted_server, wait_idle
 
 from miles.config import DataConfig, RolloutConfig
 from miles.data import PromptFormatter
@@ -236,7 +238,11 @@ def replying(monkeypatch: Any, text: str, status: SampleStatus = SampleStatus.CO
     """The server's generation returns a sample of `text` (the tiny model does not call tools)."""
 
     def generate(
-        self: EngineServer, prompts: list[list[int]], body: dict, default_max_tokens: int | None
+        self: EngineServer,
+        prompts: list[list[int]],
+        body: dict,
+        default_max_tokens: int | None,
+        client_gone: Any = None,
     ) -> _Job:
         job = _Job(prompts, SamplingParams(n=1))
         job.results[0, 0] = Sample(prompt_ids=prompts[0], response_text=text, status=status)
@@ -287,6 +293,45 @@ def test_a_reply_s_calls_come_back_as_tool_calls(tool_server: EngineServer, monk
     replying(monkeypatch, REPLIES[0], SampleStatus.TRUNCATED)
     status, out = call(tool_server, "/v1/chat/completions", {"messages": user, "tools": [WEATHER]})
     assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_held_back_tool_call_streams_keep_alives(tool_server: EngineServer) -> None:
+    """While a `<tool_call>` block is generated nothing of it can be sent: a keep-alive goes out instead
+    (a comment clients skip), as a write is how a client's hang-up is noticed."""
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    job = _Job([[1, 2]], SamplingParams(n=1), events=queue.Queue())
+    for i in range(len(text)):
+        job.events.put((0, 0, text[i], None))
+    job.events.put((0, 0, "", "stop"))
+    job.events.put(None)
+    tool_server.keepalive_s = 0.0  # every empty delta: the throttle is timing's, not this test's
+    try:
+        events = list(
+            tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, ReplyFormat(tool_calls=True))
+        )
+    finally:
+        tool_server.keepalive_s = 0.5
+    chunks = [e for e in events if e is not None]
+    assert events.count(None) > 20 and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == parse_reply(text).content
+
+
+def test_a_client_that_hangs_up_inside_a_tool_call_stops_its_generation() -> None:
+    tokenizer = copy.deepcopy(load_model("builtin:tiny_moe_math").tokenizer)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    server = scripted_server(tokenizer, "<tool_call>\n" + "x" * 2000, step_s=0.003)
+    server.keepalive_s = 0.05
+    try:
+        host, port = server.httpd.server_address[:2]
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "stream": True}
+        with socket.create_connection((host, port), timeout=10) as client:
+            client.sendall(raw_request(server, "/v1/chat/completions", body))
+            assert client.recv(4096).startswith(b"HTTP/1.1 200")  # the stream is under way
+            time.sleep(0.2)
+        assert wait_idle(server.engine) < 2.0  # not the 6 s of the whole script
+        assert server.engine.aborted == 1
+    finally:
+        server.shutdown()
 
 
 def test_a_template_without_tools_refuses_them(loaded_server_plain: EngineServer) -> None:
