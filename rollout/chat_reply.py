@@ -21,7 +21,10 @@ class ReplyFormat:
     tool_calls: bool = False
     """Parse the reply's tool calls (the request has tools, `tool_choice` not "none")."""
     call_limit: int | None = None
-    """Calls returned at most (1 with `parallel_tool_calls: false`)."""
+    """Calls returned at most (1 with `parallel_tool_calls: false` or a named `tool_choice`)."""
+    opening: str = ""
+    """What the reply was made to start with (a forced call's opening, tool_calls.py), put back in front of
+    the model's text."""
 
     def calls(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         return [call.to_openai() for call in calls[: self.call_limit]]
@@ -29,6 +32,7 @@ class ReplyFormat:
 
 def reply_message(text: str, finish: str, fmt: ReplyFormat) -> tuple[dict[str, Any], str]:
     """(the assistant message, the finish reason) of a whole reply."""
+    text = fmt.opening + text
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if fmt.reasoning:
         message["reasoning_content"], message["content"] = split_reasoning(text, fmt.thinking)
@@ -48,10 +52,12 @@ class ReplyStream:
         self.fmt = fmt
         self.reasoning = ReasoningStream(fmt.thinking) if fmt.reasoning else None
         self.tools = ToolCallStream() if fmt.tool_calls else None
+        self.opening = fmt.opening
 
     def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """(the delta for `text`, the finish reason); `finish` set: the choice's last piece."""
         delta: dict[str, Any] = {}
+        text, self.opening = self.opening + text, ""
         if self.reasoning is not None:
             thought, text = self.reasoning.feed(text)
             if finish is not None:

@@ -19,13 +19,14 @@ small a divisor overflows the logits to NaN. `stream: true` sends server-sent ev
 `data: [DONE]`; `stream_options.include_usage` adds the usage), holding back the last characters while a
 stop string could still take them back, and a `: keep-alive` comment while nothing can be sent (a tool call
 being generated, a long prefill). A client that hangs up stops its generation, streamed (a write fails) or
-not (its socket is watched while it waits). Chat completions take `tools` (with `tool_choice` "auto" or
-"none", and `parallel_tool_calls`), `tool_calls` in assistant messages and `tool` messages, and return the
+not (its socket is watched while it waits). Chat completions take `tools` (with `tool_choice` "auto",
+"none", "required" or a named function, which start the reply with a call's opening, and
+`parallel_tool_calls`), `tool_calls` in assistant messages and `tool` messages, and return the
 model's calls as `tool_calls`, streamed or not, where the model's chat template renders tools in Qwen's
 `<tool_call>` format (tool_calls.py); with a reasoning parser, a thinking model's `<think>` block comes back
 as `reasoning_content` (reasoning.py). Not supported, and refused with a 400 rather than ignored: `echo`, a
 non-empty `suffix`, `best_of` > 1, logprobs or token ids with streaming, non-zero `frequency_penalty` /
-`presence_penalty`, `logit_bias`, a forced tool call (`tool_choice` "required" or a named function), the
+`presence_penalty`, `logit_bias`, the
 legacy `functions` / `function_call`, and a `response_format` other than `{"type": "text"}`. Chat content
 may be a string or text parts; a chat template that refuses the conversation (`raise_exception`) is a 400.
 Tokenizing runs on the engine's thread (the tokenizer is the engine's); a request waiting past
@@ -62,6 +63,7 @@ from miles.rollout.params import SamplingParams
 from miles.rollout.reasoning import prompt_opens_thinking
 from miles.rollout.sampling import MAX_TOP_LOGPROBS
 from miles.rollout.tool_calls import (
+    ToolChoice,
     ToolError,
     check_tool_choice,
     check_tools,
@@ -440,13 +442,27 @@ class EngineServer:
             raise RequestError(
                 HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
             )
-        messages, tools, parse_calls = self._tools(body, messages)
+        messages, tools, choice = self._tools(body, messages)
         prompts = [self._chat_prompt(messages, tools)]
+        thinking = self.on_engine(lambda: self._opens_thinking(prompts[0]))
+        if choice.opening:
+            if thinking:
+                raise RequestError(
+                    HTTPStatus.BAD_REQUEST,
+                    "a forced tool call cannot start inside the thinking block this model's template opens; "
+                    "send tool_choice 'auto'",
+                )
+            tokenizer = self.engine.tokenizer
+            prompts = [
+                prompts[0]
+                + self.on_engine(lambda: tokenizer.encode(choice.opening, add_special_tokens=False))
+            ]
         fmt = ReplyFormat(
             reasoning=self.reasoning,
-            thinking=self.reasoning and self.on_engine(lambda: self._opens_thinking(prompts[0])),
-            tool_calls=parse_calls,
-            call_limit=1 if body.get("parallel_tool_calls") is False else None,
+            thinking=self.reasoning and thinking,
+            tool_calls=choice.parse,
+            call_limit=1 if choice.single or body.get("parallel_tool_calls") is False else None,
+            opening=choice.opening,
         )
         if body.get("stream"):
             return self._stream(prompts, body, None, "chat.completion.chunk", "chatcmpl", fmt)
@@ -534,18 +550,18 @@ class EngineServer:
 
     def _tools(
         self, body: dict[str, Any], messages: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
-        """(messages for the chat template, tools for it, whether to parse the reply's calls)."""
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
+        """(messages for the chat template, tools for it, what `tool_choice` asks of the reply)."""
         try:
             tools = check_tools(body["tools"]) if body.get("tools") not in (None, []) else None
-            parse_calls = tools is not None and check_tool_choice(body.get("tool_choice"))
+            choice = check_tool_choice(body.get("tool_choice"), tools)
             history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
             if (tools is not None or history) and not self.on_engine(self._check_renders_tools):
                 raise ToolError(
                     "this model's chat template does not render tools in the <tool_call> format (Qwen2.5, "
                     "Qwen3 and Hermes templates do); send the tools in a message's text instead"
                 )
-            return template_messages(messages), tools if parse_calls else None, parse_calls
+            return template_messages(messages), tools if choice.parse else None, choice
         except ToolError as err:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(err)) from None
 

@@ -15,6 +15,12 @@ calls, each piece stripped of surrounding whitespace and joined by newlines (nul
 as it comes and the calls when the choice ends (`ToolCallStream`), so the streamed content and calls are
 exactly the non-streamed ones.
 
+A forced call (`tool_choice` "required", or a named function) is made by starting the reply with a
+call's opening, which the model goes on from: `<tool_call>` and a newline, and for a named function the
+start of its JSON, `{"name": "get_weather", "arguments": ` (so only the arguments are the model's). The
+opening is put back in front of the reply before it is parsed. Nothing constrains what follows it: a model
+that writes a malformed call gets it back in `content`, as with "auto".
+
 History in OpenAI's shape is handed to the template in the shape HF templates read: an assistant message's
 `tool_calls` with `function.arguments` parsed from its JSON string, `tool` messages with their content (and
 `tool_call_id` / `name` where given).
@@ -73,14 +79,41 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def check_tool_choice(choice: Any) -> bool:
-    """Whether calls are parsed for OpenAI's `tool_choice`: "auto" (the default) yes, "none" no. "required"
-    and a named function would need constrained decoding and are refused."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """What OpenAI's `tool_choice` asks of a reply."""
+
+    parse: bool
+    """The reply's calls are parsed (there are tools, and the choice is not "none")."""
+    opening: str = ""
+    """The text the reply is made to start with: a call's opening where one is forced, else empty."""
+    single: bool = False
+    """At most one call (a named function)."""
+
+
+def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """OpenAI's `tool_choice` over the request's (checked) `tools`: "auto" (the default), "none",
+    "required", or {"type": "function", "function": {"name": ...}} naming one of the tools."""
     if choice is None or choice == "auto":
-        return True
+        return ToolChoice(parse=tools is not None)
     if choice == "none":
-        return False
-    raise ToolError('\'tool_choice\' may be "auto" or "none" (forcing a call needs constrained decoding)')
+        return ToolChoice(parse=False)
+    function = (
+        choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    )
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice != "required" and not isinstance(name, str):
+        raise ToolError(
+            '\'tool_choice\' may be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+        )
+    if tools is None:
+        raise ToolError("'tool_choice' forces a call: send the 'tools' it may call")
+    if choice == "required":
+        return ToolChoice(parse=True, opening=CALL_START + "\n")
+    names = [tool["function"]["name"] for tool in tools]
+    if name not in names:
+        raise ToolError(f"'tool_choice' names {name!r}, which is not among the tools ({', '.join(names)})")
+    return ToolChoice(True, f'{CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ', single=True)
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from miles.rollout.reasoning import ReasoningStream, prompt_opens_thinking, spli
 from miles.rollout.server import EngineServer, _Job
 from miles.rollout.tool_calls import (
     ToolCallStream,
+    ToolChoice,
     ToolError,
     check_tool_choice,
     check_tools,
@@ -133,10 +134,22 @@ def test_tools_and_tool_history_are_checked_and_converted() -> None:
     ]:
         with pytest.raises(ToolError, match=message):
             check_tools(bad)
-    assert check_tool_choice(None) and check_tool_choice("auto") and not check_tool_choice("none")
-    for forced in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(ToolError, match="constrained decoding"):
-            check_tool_choice(forced)
+    tools = [WEATHER]
+    assert check_tool_choice(None, tools) == check_tool_choice("auto", tools) == ToolChoice(parse=True)
+    assert check_tool_choice(None, None) == check_tool_choice("none", tools) == ToolChoice(parse=False)
+    assert check_tool_choice("required", tools) == ToolChoice(True, "<tool_call>\n")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert check_tool_choice(named, tools) == ToolChoice(
+        True, '<tool_call>\n{"name": "get_weather", "arguments": ', single=True
+    )
+    for bad, message in [
+        ("always", "may be"),
+        ({"type": "function"}, "may be"),
+        ("required", "send the 'tools'"),
+        ({"type": "function", "function": {"name": "get_time"}}, "not among the tools"),
+    ]:
+        with pytest.raises(ToolError, match=message):
+            check_tool_choice(bad, tools if message != "send the 'tools'" else None)
     history = [
         {"role": "user", "content": "Weather in Paris?"},
         {
@@ -219,9 +232,14 @@ def test_tool_requests_the_server_refuses(tool_server: EngineServer) -> None:
     for path, body, message in [
         (
             "/v1/chat/completions",
-            {"messages": user, "tools": [WEATHER], "tool_choice": "required"},
-            "constrained",
+            {
+                "messages": user,
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "not among the tools",
         ),
+        ("/v1/chat/completions", {"messages": user, "tool_choice": "required"}, "send the 'tools'"),
         ("/v1/chat/completions", {"messages": user, "tools": [{"type": "function"}]}, "each tool must be"),
         (
             "/v1/chat/completions",
@@ -293,6 +311,57 @@ def test_a_reply_s_calls_come_back_as_tool_calls(tool_server: EngineServer, monk
     replying(monkeypatch, REPLIES[0], SampleStatus.TRUNCATED)
     status, out = call(tool_server, "/v1/chat/completions", {"messages": user, "tools": [WEATHER]})
     assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_forced_call_starts_the_reply_and_comes_back_as_tool_calls(
+    tool_server: EngineServer, monkeypatch: Any
+) -> None:
+    """tool_choice "required" or a named function: the prompt ends with the call's opening, which goes back in
+    front of the model's text, so the calls come back, streamed or not (a named function's one call only); a
+    malformed continuation stays in the content."""
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": user, "tools": [WEATHER], "max_tokens": 4, "return_token_ids": True}
+    for choice, opening in [
+        ("required", "<tool_call>\n"),
+        (named, '<tool_call>\n{"name": "get_weather", "arguments": '),
+    ]:
+        status, out = call(tool_server, "/v1/chat/completions", {**body, "tool_choice": choice})
+        assert status == 200, out
+        prompt = tool_server.engine.tokenizer.decode(out["choices"][0]["prompt_token_ids"])
+        assert prompt.endswith("<|im_start|>assistant\n" + opening)
+    rest = '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for choice, text, cities in [
+        ("required", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', ["Paris"]),
+        (named, rest, ["Paris"]),  # one call for a named function
+    ]:
+        replying(monkeypatch, text)
+        status, out = call(
+            tool_server, "/v1/chat/completions", {"messages": user, "tools": [WEATHER], "tool_choice": choice}
+        )
+        assert status == 200, out
+        message = out["choices"][0]["message"]
+        assert out["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+        assert [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]] == cities
+        opening = check_tool_choice(choice, [WEATHER])
+        fmt = ReplyFormat(tool_calls=True, call_limit=1 if opening.single else None, opening=opening.opening)
+        job = _Job([[1, 2]], SamplingParams(n=1), events=queue.Queue())
+        for i in range(0, len(text), 7):
+            job.events.put((0, 0, text[i : i + 7], None))
+        job.events.put((0, 0, "", "stop"))
+        job.events.put(None)
+        chunks = [c for c in tool_server._events(job, "chat.completion.chunk", "chatcmpl", False, fmt) if c]
+        streamed = [
+            tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])
+        ]
+        assert [json.loads(c["function"]["arguments"])["city"] for c in streamed] == cities
+    replying(monkeypatch, "Paris, I think")  # not JSON: the opening and the text stay in the content
+    status, out = call(
+        tool_server, "/v1/chat/completions", {"messages": user, "tools": [WEATHER], "tool_choice": named}
+    )
+    message = out["choices"][0]["message"]
+    assert status == 200 and "tool_calls" not in message and out["choices"][0]["finish_reason"] == "stop"
+    assert message["content"] == '<tool_call>\n{"name": "get_weather", "arguments": Paris, I think'
 
 
 def test_a_held_back_tool_call_streams_keep_alives(tool_server: EngineServer) -> None:
