@@ -567,6 +567,27 @@ def test_draft_head_speculation_on_cuda_matches_plain_decoding(monkeypatch: pyte
             assert same >= len(plain) // 2, [(a.response_ids, b.response_ids) for a, b in zip(plain, spec)]
 
 
+def test_a_gated_head_on_cuda_decodes_overlapped_plain_steps_between_probes() -> None:
+    """rollout.spec_min_accept_length on the GPU: a new head keeps fewer than 3.9 of 4 tokens a step, so decode
+    steps run plain with overlap scheduling (CUDA graphs) and verify graphs replay only on probes; the tokens
+    are plain decoding's until a near-tie."""
+    model = gpu_model(moe=False, seed=7)
+    cfg = config(backend="flashinfer", cuda_graph=True)
+    params = GREEDY.with_(n=2, max_new_tokens=48)
+    plain = Engine(model, None, cfg).generate(PROMPTS, params)
+    gated = replace(
+        cfg, speculative="head", spec_draft_tokens=3, spec_min_accept_length=3.9, spec_probe_every=4
+    )
+    engine = Engine(model, None, gated)
+    assert engine.overlap
+    verified = count_verify_graphs(engine)
+    spec = engine.generate(PROMPTS, params)
+    decode_steps, m = engine.stats.decode_steps, engine.metrics()
+    assert verified and m["rollout/spec_steps"] > 0, m
+    assert m["rollout/spec_gated_steps"] > decode_steps / 2, (decode_steps, m)
+    assert_agree_until_near_tie(model, plain, spec, logprob_tol=0.05)
+
+
 def test_draft_head_proposal_graphs_draw_the_eager_proposals() -> None:
     """A proposal replayed as a CUDA graph (draft_head_graph.py) is the eager proposal bit for bit at a
     bucket's own size; padded to a bucket, its rows are those the eager proposal gives the same requests
