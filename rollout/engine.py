@@ -598,6 +598,8 @@ class Engine:
             finished.extend(self._finish_stalled())
         drafts = False
         if self.speculative:
+            if self.drafter is not None:  # every step, drafting or not: retracted requests' draft KV goes
+                self.drafter.retain({req.rid for req in self.scheduler.running})
             if self.spec_gate.speculate():
                 if self._in_flight is not None:  # a plain step let through by the gate, overlapped
                     finished.extend(self._resolve())
@@ -655,8 +657,6 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         cfg = self.cfg
-        if self.drafter is not None:  # also on the steps that draft nothing: retracted requests leave
-            self.drafter.retain({req.rid for req in self.scheduler.running})
         graph_limit = self._verify_batch_limit()
         if graph_limit:
             # Graph verify (cuda_graph.py): a step drafts exactly spec_draft_tokens for every running request,
