@@ -72,18 +72,64 @@ def row_from_record(record: dict[str, Any], cfg: DataConfig) -> PromptRow:
     return PromptRow(prompt, label, metadata)
 
 
-def _load_records(path: str) -> list[dict[str, Any]]:
+TRAIN_SPLITS = ("train",)
+EVAL_SPLITS = ("test", "validation")
+"""Splits of a saved DatasetDict read by default, in order of preference (`DIR:split` picks one explicitly)."""
+
+
+def split_path(path: str) -> tuple[str, str | None]:
+    """`DIR:split` -> (DIR, split) for a saved dataset folder; any other path -> (path, None)."""
+    if Path(path).exists() or ":" not in path:
+        return path, None
+    base, split = path.rsplit(":", 1)
+    return (base, split) if split and Path(base).is_dir() else (path, None)
+
+
+def _pick_split(ds: Any, path: str, split: str | None, preferred: tuple[str, ...], role: str) -> Any:
+    """The split of DatasetDict `ds` that `role` reads: the explicit one, else the first of `preferred` it has."""
+    splits = sorted(ds)
+    if split is not None:
+        if split not in ds:
+            raise MilesUserError(f"{role}={path}:{split}: no split {split!r}; the dataset has {splits}")
+        chosen = split
+    else:
+        chosen = next((name for name in preferred if name in ds), next(iter(ds)))
+        if chosen not in preferred:  # e.g. an eval path whose dict has only "train": say so, loudly
+            log.warning(
+                "%s=%s has no %s split; reading split %r of %s. Pass %s:<split> to choose one",
+                role,
+                path,
+                " / ".join(repr(name) for name in preferred),
+                chosen,
+                splits,
+                path,
+            )
+    log.info("%s=%s: reading split %r (the dataset has %s)", role, path, chosen, splits)
+    return ds[chosen]
+
+
+def _load_records(
+    path: str, preferred: tuple[str, ...] = TRAIN_SPLITS, role: str = "data.path"
+) -> list[dict[str, Any]]:
+    """Records of a jsonl / parquet file or a saved dataset folder. For a saved DatasetDict, `DIR:split` reads
+    that split; a bare DIR reads the first of `preferred` it has (train for training, test then validation
+    for evaluation)."""
     import datasets
 
+    path, split = split_path(path)
     p = Path(path)
     if not p.exists():
         raise MilesUserError(
-            f"data file {path} does not exist; pass data.path=<jsonl | parquet | saved dataset>"
+            f"data file {path} does not exist; pass data.path=<jsonl | parquet | saved dataset[:split]>"
         )
     if p.is_dir():
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            ds = _pick_split(ds, path, split, preferred, role)
+        elif split is not None:
+            raise MilesUserError(
+                f"{role}={path}:{split}: {path} is a single saved dataset with no splits; drop ':{split}'"
+            )
     elif p.suffix in (".jsonl", ".json"):
         ds = datasets.load_dataset("json", data_files=str(p), split="train")
     elif p.suffix == ".parquet":
@@ -130,11 +176,26 @@ def load_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
         if not cfg.path:
             raise MilesUserError("data.source=file needs data.path=<jsonl | parquet | saved dataset folder>")
         train = [row_from_record(r, cfg) for r in _load_records(cfg.path)]
-        test = [row_from_record(r, cfg) for r in _load_records(cfg.eval_path)] if cfg.eval_path else []
-        return train, test
+        return train, load_eval_file_rows(cfg)
     raise MilesUserError(
         f"unknown data.source {source!r}; use synthetic_math, file (with data.path) or reasoning_gym:<task>"
     )
+
+
+def load_eval_file_rows(cfg: DataConfig) -> list[PromptRow]:
+    """The held-out rows of data.eval_path (a saved DatasetDict: its test split, else validation; `DIR:split`
+    picks one); [] without an eval path."""
+    if not cfg.eval_path:
+        return []
+    return [row_from_record(r, cfg) for r in _load_records(cfg.eval_path, EVAL_SPLITS, "data.eval_path")]
+
+
+def load_eval_rows(cfg: DataConfig) -> list[PromptRow]:
+    """Only the held-out rows (`miles eval`): for file data, data.eval_path's, without reading data.path."""
+    source = "file" if cfg.path else cfg.source
+    if source == "file" and cfg.eval_path:
+        return load_eval_file_rows(cfg)
+    return load_rows(cfg)[1]
 
 
 class PromptFormatter:

@@ -12,7 +12,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="miles eval", description=__doc__)
     parser.add_argument("--model", required=True, help="checkpoint folder, builtin:NAME or init:ARCH:PRESET")
     parser.add_argument(
-        "--data", default=None, help="jsonl / parquet / saved dataset (default: synthetic math test split)"
+        "--data",
+        default=None,
+        help="jsonl / parquet / saved dataset folder (a DatasetDict: its test split, else validation; DIR:split "
+        "picks one). Default: the synthetic math test split",
     )
     parser.add_argument("--num", type=int, default=200, help="number of held-out problems")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -22,7 +25,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--system-prompt", default=None)
     args = parser.parse_args(argv)
 
-    from miles.data import PromptFormatter, load_rows, to_samples
+    from miles.data import PromptFormatter, load_eval_rows, to_samples
     from miles.evaluate import evaluate
     from miles.loop import set_cpu_threads, stop_ids
     from miles.model_io import load_model
@@ -35,7 +38,7 @@ def main(argv: list[str]) -> int:
     set_cpu_threads(1)
     loaded = load_model(args.model, args.dtype, args.device)
     formatter = PromptFormatter(loaded.tokenizer, data_cfg)
-    _, test_rows = load_rows(data_cfg)
+    test_rows = load_eval_rows(data_cfg)
     prompts, dropped = to_samples(test_rows[: args.num], formatter, data_cfg.max_prompt_length)
     engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig())
     with RewardRunner(RewardConfig(fn=args.reward, num_workers=0)) as rewards:

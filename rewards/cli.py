@@ -3,6 +3,10 @@
 Prints one JSON line per sample in input order ({"score": ..., the reward's extra fields, "error" when it failed}),
 then one summary line ({"summary": {reward/* metrics, samples, seconds}}). Exit status 0 even when some samples
 failed; 2 for bad input (missing file, unknown reward, bad JSON), with the reason on stderr.
+
+Token ids: `sample.response_ids` / `prompt_ids` come from the rows' `response_ids` / `prompt_ids` fields (the
+training run's samples.jsonl has them); rows without them are tokenized with `--tokenizer` when given. Otherwise
+the ids stay empty, which a length-based reward would misread, so a warning on stderr says how many rows lack them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
     parser.add_argument("--batched", action="store_true", help="the function takes the list of samples")
     parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model folder or builtin:NAME whose tokenizer fills response_ids / prompt_ids for rows without them "
+        "(length-based rewards read sample.response_ids)",
+    )
+    parser.add_argument(
         "--num-workers",
         type=int,
         default=RewardConfig.num_workers,
@@ -61,7 +71,59 @@ def sample_from_row(row: Any, line_number: int) -> Sample:
     for key in ("data_source", "extra_info"):
         if key in row:
             metadata.setdefault(key, row[key])
-    return Sample(prompt=row.get("prompt", ""), response_text=str(response), label=label, metadata=metadata)
+    return Sample(
+        prompt=row.get("prompt", ""),
+        response_text=str(response),
+        label=label,
+        metadata=metadata,
+        prompt_ids=_token_ids(row, "prompt_ids", line_number),
+        response_ids=_token_ids(row, "response_ids", line_number),
+    )
+
+
+def _token_ids(row: dict[str, Any], key: str, line_number: int) -> list[int]:
+    ids = row.get(key)
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise MilesUserError(f"line {line_number}: {key!r} must be a list of token ids (integers)")
+    return ids
+
+
+def _load_tokenizer(spec: str) -> Any:
+    from miles.model_io import resolve_path
+
+    folder = Path(spec) if Path(spec).is_dir() else resolve_path(spec)
+    if folder is None:  # init:ARCH:PRESET models use the character tokenizer
+        from miles.models.tokenizer import char_tokenizer
+
+        return char_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise MilesUserError(f"--tokenizer {spec}: no usable tokenizer files there ({e})") from e
+
+
+def fill_token_ids(samples: list[Sample], tokenizer_spec: str | None) -> None:
+    """Tokenizes the rows that came without ids (with --tokenizer), else warns that their ids are empty."""
+    missing = [s for s in samples if not s.response_ids and s.response_text]
+    if not missing:
+        return
+    if tokenizer_spec is None:
+        print(
+            f"miles reward: warning: {len(missing)} of {len(samples)} samples have no response_ids (no "
+            "'response_ids' field): rewards that read sample.response_ids / response_length see 0 tokens. Pass "
+            "--tokenizer MODEL_DIR (or builtin:NAME) to tokenize them, or add the ids to the rows",
+            file=sys.stderr,
+        )
+        return
+    tokenizer = _load_tokenizer(tokenizer_spec)
+    for sample in missing:
+        sample.response_ids = list(tokenizer(sample.response_text, add_special_tokens=False)["input_ids"])
+        if not sample.prompt_ids and isinstance(sample.prompt, str) and sample.prompt:
+            sample.prompt_ids = list(tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
 
 
 def load_samples(path: str) -> list[Sample]:
@@ -104,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         num_workers=args.num_workers,
     )
     samples = load_samples(args.samples)
+    fill_token_ids(samples, args.tokenizer)
     start = time.perf_counter()
     with RewardRunner(cfg) as runner:
         metrics = runner.score(samples)

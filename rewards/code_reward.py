@@ -20,16 +20,20 @@ from miles.sample import Sample
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[^\n]*\n(.*)$", re.DOTALL | re.IGNORECASE)
-PYTHON_LANGS = ("python", "python3", "py", "")
+PYTHON_LANGS = ("python", "python3", "py")
 
 
 def extract_program(response: str) -> str:
-    """The last ```python fenced block (an unlabeled one if none is labeled python); a truncated final fence is
-    read to the end; without fences, the whole response."""
+    """The last ```python fenced block; only when none is labeled python, the last unlabeled one (an unlabeled
+    fence after a python block is usually sample input or output, not the program); then the last block of any
+    language; a truncated final fence is read to the end; without fences, the whole response."""
     blocks = _FENCE.findall(response)
     python_blocks = [code for lang, code in blocks if lang.lower() in PYTHON_LANGS]
     if python_blocks:
         return python_blocks[-1]
+    unlabeled = [code for lang, code in blocks if not lang]
+    if unlabeled:
+        return unlabeled[-1]
     if blocks:
         return blocks[-1][1]
     unclosed = _OPEN_FENCE.search(response)

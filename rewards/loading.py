@@ -153,6 +153,26 @@ def describe(
     )
 
 
+def accepted_kwargs(fn: RewardFunction) -> str:
+    """What a resolved reward takes as configuration kwargs, for error messages: 'any' when it has **kwargs."""
+    data_params = {"verl": set(VERL_PARAMS), "verl_batch": set(VERL_BATCH_PARAMS)}.get(fn.style, set())
+    names, takes_any = _keyword_parameters(load_target(fn.target), data_params)
+    return "any kwargs" if takes_any else str(sorted(names) or "no kwargs")
+
+
+def check_shared_kwargs(shared: dict[str, Any], functions: list[RewardFunction]) -> None:
+    """With several rewards, a top-level reward.kwargs key goes to the rewards that take it; one that none takes
+    (a typo, or a misspelt reward namespace) would be silently dropped, so it is an error."""
+    used = {key for fn in functions for key in fn.kwargs}
+    unknown = sorted(set(shared) - used)
+    if unknown:
+        takes = "; ".join(f"{fn.name!r} takes {accepted_kwargs(fn)}" for fn in functions)
+        raise RewardConfigError(
+            f"reward.kwargs {unknown} is taken by none of the rewards ({takes}); fix the name, or set it for "
+            "one reward as reward.kwargs.<reward name>.<key>"
+        )
+
+
 def _extra_info(sample: Sample) -> Any:
     return sample.metadata.get("extra_info", {})
 

@@ -10,6 +10,9 @@ from typing import Any
 
 ERROR_KINDS = ("exception", "timeout", "nan", "bad_return", "memory", "crash", "cancelled")
 MAX_EXTRA_DEPTH = 4
+MAX_ABS_SCORE = 1e30
+"""A finite score beyond this is a bug in the reward (1e308 would overflow the batch's mean and dwarf every other
+sample's advantage): it costs that sample as a `bad_return`."""
 
 
 @dataclass
@@ -84,6 +87,13 @@ def outcome_from_value(value: Any) -> RewardOutcome:
         )
     if not math.isfinite(score):
         return RewardOutcome(0.0, extras, "nan", f"returned a non-finite score ({score})")
+    if abs(score) > MAX_ABS_SCORE:
+        return RewardOutcome(
+            0.0,
+            extras,
+            "bad_return",
+            f"returned {score:g}, beyond ±{MAX_ABS_SCORE:g}; return a bounded score",
+        )
     return RewardOutcome(score, extras)
 
 

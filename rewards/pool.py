@@ -2,9 +2,12 @@
 
 Each slot owns one worker process (forked from the multiprocessing fork server, so it starts with math-verify
 already imported) and one dispatcher thread that feeds it one call at a time. A call past its timeout gets its
-worker killed and replaced; only that call's samples are lost. A worker that dies (segfault, os._exit, the OOM
-killer) or hits its memory cap is replaced too. The pool lives as long as its RewardRunner, so the start-up cost
-is paid once per run, not per batch.
+worker killed and replaced; only that call's samples are lost. A worker leads a process group of its own, and the
+whole group is killed (on a timeout, a replacement and at close), so processes a reward started die with it. A
+worker that dies (segfault, os._exit, the OOM killer) or hits its memory cap is replaced too. Each reward is built
+in a worker (a class reward's constructor may load a model) under BIND_TIMEOUT_S, before any sample's
+reward.timeout_s clock starts; the pool's rewards are built as soon as its workers start, during the first
+rollout. The pool lives as long as its RewardRunner, so the start-up cost is paid once per run, not per batch.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
+import signal
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -28,6 +34,9 @@ log = logging.getLogger("miles.rewards")
 WORKER_MODULE = "miles.rewards.worker"
 POLL_INTERVAL_S = 0.1
 """How often a waiting dispatcher checks for shutdown."""
+BIND_TIMEOUT_S = 300.0
+"""How long a worker may take to build a reward (import it, run a class reward's constructor: load a model) before
+it is killed; separate from reward.timeout_s, which times each sample once the reward exists."""
 
 
 @dataclass
@@ -43,13 +52,24 @@ def _cancelled(count: int) -> list[RewardOutcome]:
 
 
 class WorkerPool:
-    def __init__(self, num_workers: int, memory_mb: int, start_method: str = "forkserver") -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        memory_mb: int,
+        start_method: str = "forkserver",
+        prebind: Sequence[RewardFunction] = (),
+        bind_timeout_s: float | None = None,
+    ) -> None:
+        """prebind: rewards each worker builds as soon as it starts (a failure there is reported by the first
+        call that needs the reward). bind_timeout_s: deadline for building one reward, BIND_TIMEOUT_S by default."""
         if num_workers < 1:
             raise ValueError(f"a worker pool needs num_workers >= 1, got {num_workers}")
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload([WORKER_MODULE])
         self.memory_mb = memory_mb
+        self.prebind = list(prebind)
+        self.bind_timeout_s = float(BIND_TIMEOUT_S if bind_timeout_s is None else bind_timeout_s)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._call_ids = itertools.count()
@@ -100,6 +120,8 @@ class _Slot:
         self.pool = pool
         self.process: mp.process.BaseProcess | None = None
         self.conn = None
+        self.bound: set[str] = set()
+        """Rewards built in the current worker process."""
         self.thread = threading.Thread(target=self._loop, name=f"miles-reward-slot-{index}", daemon=True)
         self.thread.start()
 
@@ -115,14 +137,13 @@ class _Slot:
         )
         process.start()
         child_conn.close()
-        self.process, self.conn = process, parent_conn
+        self.process, self.conn, self.bound = process, parent_conn, set()
 
     def kill(self) -> None:
         process, conn = self.process, self.conn
         self.process = self.conn = None
         if process is not None:
-            if process.is_alive():
-                process.kill()
+            _kill_group(process)
             process.join(timeout=5)
         if conn is not None:
             conn.close()
@@ -132,6 +153,8 @@ class _Slot:
             if not self.pool._closing.is_set():
                 try:
                     self._spawn()  # start now so the worker's imports overlap with the first rollout
+                    for fn in self.pool.prebind:  # and so do the rewards' constructors
+                        self._bind(fn)
                 except (
                     Exception
                 ):  # retried per call; each call that cannot get a worker fails instead of hanging
@@ -154,17 +177,67 @@ class _Slot:
         finally:
             self.kill()
 
-    def _send(self, message: tuple) -> None:
+    def _ensure_worker(self) -> None:
         if self.process is None or not self.process.is_alive():
             self.kill()
             self._spawn()
+
+    def _bind(self, fn: RewardFunction) -> RewardOutcome | None:
+        """Builds `fn` in the worker under the pool's bind_timeout_s; the failure every sample of the call gets,
+        or None once it is built."""
+        self._ensure_worker()
+        if fn.name in self.bound:
+            return None
         try:
-            self.conn.send(message)
-        except (BrokenPipeError, ConnectionResetError, EOFError):  # the idle worker died: replace it once
+            self.conn.send(("bind", fn))
+        except (BrokenPipeError, ConnectionResetError, EOFError):  # it died right after the liveness check
+            return self._died_building(fn)
+        state = self._wait_for_reply(time.monotonic() + self.pool.bind_timeout_s)
+        if state == "closing":
+            self.kill()
+            return _cancelled(1)[0]
+        if state == "timeout":
             self.kill()
             self.pool.count_restart()
-            self._spawn()
-            self.conn.send(message)
+            return failure(
+                "timeout",
+                f"building reward {fn.name!r} took longer than {self.pool.bind_timeout_s:g} s (the worker "
+                "pool's bind timeout, BIND_TIMEOUT_S); its worker was replaced",
+            )
+        try:
+            kind, name, problem = self.conn.recv()
+        except (EOFError, OSError):
+            return self._died_building(fn)
+        if kind != "bound" or name != fn.name:
+            self.kill()
+            return failure("crash", "reward worker protocol error")
+        if problem is None:
+            self.bound.add(fn.name)
+        elif problem.error_kind == "memory":  # its heap may be full: start the next call on a fresh one
+            self.kill()
+            self.pool.count_restart()
+        return problem
+
+    def _died_building(self, fn: RewardFunction) -> RewardOutcome:
+        exit_code = self._reap()
+        self.pool.count_restart()
+        return failure("crash", f"the reward worker died building {fn.name!r} (exit code {exit_code})")
+
+    def _send(self, fn: RewardFunction, message: tuple) -> RewardOutcome | None:
+        """Sends a call to a worker that has built `fn`; the failure of building it, or None once sent."""
+        for attempt in range(2):
+            problem = self._bind(fn)
+            if problem is not None:
+                return problem
+            try:
+                self.conn.send(message)
+                return None
+            except (BrokenPipeError, ConnectionResetError, EOFError):  # the idle worker died: replace it once
+                self.kill()
+                self.pool.count_restart()
+                if attempt:
+                    raise
+        return None
 
     def _wait_for_reply(self, deadline: float) -> str:
         """'ready' | 'closing' | 'timeout'."""
@@ -186,7 +259,7 @@ class _Slot:
         while done < count:
             call_id, base = self.pool.next_call_id(), done
             try:
-                self._send((call_id, job.fn, job.samples[base:]))
+                problem = self._send(job.fn, (call_id, job.fn, job.samples[base:]))
             except (
                 pickle.PicklingError,
                 TypeError,
@@ -195,6 +268,9 @@ class _Slot:
             ) as e:  # cannot pickle the call
                 note = failure("exception", f"could not send the call to a reward worker: {e}")
                 return [note] * count
+            if problem is not None:  # the reward could not be built: every sample left gets why
+                results[done:] = [problem] * (count - done)
+                break
             deadline = time.monotonic() + job.timeout_s
             while done < count:
                 state = self._wait_for_reply(deadline)
@@ -239,9 +315,20 @@ class _Slot:
         return [r for r in results if r is not None]
 
     def _reap(self) -> int | None:
+        """Kills what the dead worker left in its group (before the worker is joined, so its pid is not yet
+        free for reuse) and returns its exit code."""
         process = self.process
-        if process is not None:
-            process.join(timeout=5)
-        exit_code = process.exitcode if process is not None else None
         self.kill()
-        return exit_code
+        return process.exitcode if process is not None else None
+
+
+def _kill_group(process: mp.process.BaseProcess) -> None:
+    """SIGKILLs a worker and every process in its group (it called setsid: the group id is its pid). A process a
+    reward started in a session of its own escapes this; the group is the common case (subprocess.run)."""
+    if process.pid is not None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # not (yet) a group leader, or the group is gone
+            pass
+    if process.is_alive():
+        process.kill()

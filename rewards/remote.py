@@ -3,14 +3,18 @@
 Request body (JSON): {"prompt", "response", "label", "data_source", "metadata"} plus `extra_payload`. The server
 answers a number or a JSON object with "score" (its other fields are logged). Each request has its own timeout;
 connection errors, timeouts, 429 and 5xx are retried with exponential backoff; other 4xx fail at once with the
-server's message. At most `max_connections` requests are open at a time. Uses httpx's async client when httpx is
-installed, otherwise urllib in threads.
+server's message. All attempts for one sample share `total_timeout_s` (default 9 s, below the default
+reward.timeout_s of 10 s): an attempt gets at most what is left of it and no retry starts once it is spent, so the
+defaults (5 s per request, 3 retries) end with this reward's own error, not the runner's timeout. Keep
+total_timeout_s below reward.timeout_s when changing either. At most `max_connections` requests are open at a
+time. Uses httpx's async client when httpx is installed, otherwise urllib in threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -63,15 +67,19 @@ class RemoteReward:
         headers: dict[str, str] | None = None,
         extra_payload: dict[str, Any] | None = None,
         client: str = "auto",
+        total_timeout_s: float = 9.0,
     ) -> None:
         if not str(url).startswith(("http://", "https://")):
             raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
         if client not in ("auto", "httpx", "urllib"):
             raise ValueError(f"client must be auto | httpx | urllib, got {client!r}")
-        if max_connections < 1 or max_retries < 0 or request_timeout_s <= 0:
-            raise ValueError("need max_connections >= 1, max_retries >= 0 and request_timeout_s > 0")
+        if max_connections < 1 or max_retries < 0 or request_timeout_s <= 0 or total_timeout_s <= 0:
+            raise ValueError(
+                "need max_connections >= 1, max_retries >= 0, request_timeout_s > 0 and total_timeout_s > 0"
+            )
         self.url = url
         self.request_timeout_s = request_timeout_s
+        self.total_timeout_s = total_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_connections = max_connections
@@ -99,16 +107,20 @@ class RemoteReward:
                 timeout=httpx.Timeout(self.request_timeout_s, pool=None),
             )
 
-    async def _post_once(self, payload: bytes) -> tuple[int, str]:
+    async def _post_once(self, payload: bytes, timeout_s: float) -> tuple[int, str]:
         if self.use_httpx:
-            reply = await self._client.post(self.url, content=payload, headers=self.headers)
-            return reply.status_code, reply.text
-        return await asyncio.to_thread(self._post_urllib, payload)
+            import httpx
 
-    def _post_urllib(self, payload: bytes) -> tuple[int, str]:
+            reply = await self._client.post(
+                self.url, content=payload, headers=self.headers, timeout=httpx.Timeout(timeout_s, pool=None)
+            )
+            return reply.status_code, reply.text
+        return await asyncio.to_thread(self._post_urllib, payload, timeout_s)
+
+    def _post_urllib(self, payload: bytes, timeout_s: float) -> tuple[int, str]:
         request = urllib.request.Request(self.url, data=payload, headers=self.headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as reply:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
                 return reply.status, reply.read().decode("utf-8", "replace")
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode("utf-8", "replace")
@@ -124,12 +136,21 @@ class RemoteReward:
         self._bind_to_loop()
         payload = json.dumps(_body(sample, self.extra_payload), default=str).encode()
         last_problem = ""
+        deadline = time.monotonic() + self.total_timeout_s
+        attempts = 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                backoff = self.backoff_s * 2 ** (attempt - 1)
+                if time.monotonic() + backoff >= deadline:
+                    break  # no time left for another attempt within total_timeout_s
+                await asyncio.sleep(backoff)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            attempts += 1
             try:
                 async with self._gate:
-                    status, text = await self._post_once(payload)
+                    status, text = await self._post_once(payload, min(self.request_timeout_s, remaining))
             except Exception as e:
                 if not self._is_transport_error(e):
                     raise
@@ -139,9 +160,10 @@ class RemoteReward:
                 last_problem = f"HTTP {status}: {text[:200]}"
                 continue
             return _parse_reply(status, text, self.url)
-        raise RemoteRewardError(
-            f"{self.url} failed after {self.max_retries + 1} attempts; last: {last_problem}"
+        spent = (
+            "" if attempts == self.max_retries + 1 else f" (total_timeout_s={self.total_timeout_s:g} s spent)"
         )
+        raise RemoteRewardError(f"{self.url} failed after {attempts} attempts{spent}; last: {last_problem}")
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
-import statistics
 import threading
 import weakref
 from collections import Counter, defaultdict
@@ -26,7 +26,7 @@ from typing import Any
 
 from miles.config import RewardConfig
 from miles.rewards.inprocess import InProcessExecutor
-from miles.rewards.loading import BUILTINS, RewardConfigError, RewardFunction, describe
+from miles.rewards.loading import BUILTINS, RewardConfigError, RewardFunction, check_shared_kwargs, describe
 from miles.rewards.outcome import RewardOutcome
 from miles.rewards.pool import WorkerPool
 from miles.sample import Sample
@@ -64,6 +64,18 @@ def metric_names(specs: Sequence[str]) -> dict[str, str]:
 class _Component:
     fn: RewardFunction
     weight: float
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Population mean and std of finite floats, without overflow however large they are (each value is scaled
+    before it is summed or squared); 0.0 for an empty list."""
+    if not values:
+        return 0.0, 0.0
+    scale = max(1.0, max(abs(v) for v in values))
+    scaled = [v / scale for v in values]
+    mean = math.fsum(scaled) / len(scaled)
+    variance = math.fsum((v - mean) ** 2 for v in scaled) / len(scaled)
+    return mean * scale, math.sqrt(variance) * scale
 
 
 def _slim(sample: Sample) -> Sample:
@@ -104,24 +116,32 @@ class RewardRunner:
         names = metric_names(specs)
         self.functions: dict[str, RewardFunction] = {}
         """Resolved rewards by their spec."""
+        shared = {k: v for k, v in kwargs.items() if k not in names.values()}
         for spec in specs:
             name = names[spec]
+            if len(specs) > 1 and name in kwargs and not isinstance(kwargs[name], dict):
+                raise RewardConfigError(
+                    f"reward.kwargs.{name} must be a mapping of {name!r}'s kwargs, got {kwargs[name]!r}"
+                )
             own = kwargs.get(name) if isinstance(kwargs.get(name), dict) else {}
-            shared = {k: v for k, v in kwargs.items() if k not in names.values()}
             if spec == "judge" and engine is not None and not {"engine", "model_path"} & {*own, *shared}:
                 own = {**own, "engine": engine}
             if len(specs) == 1:
                 self.functions[spec] = describe(spec, name, {**shared, **own}, bool(cfg.batched))
             else:
                 self.functions[spec] = describe(spec, name, own, bool(cfg.batched), shared_kwargs=shared)
+        if len(specs) > 1:
+            check_shared_kwargs(shared, list(self.functions.values()))
         self._default = [_Component(self.functions[s], float(w)) for s, w in default.items()]
         self._routes = {str(ds): [_Component(self.functions[s], 1.0)] for ds, s in routes.items()}
         self._multi = len(specs) > 1
 
-        wants_pool = num_workers > 0 and any(
-            not f.is_async and not f.in_process for f in self.functions.values()
+        pool_functions = [f for f in self.functions.values() if not f.is_async and not f.in_process]
+        self._pool = (
+            WorkerPool(num_workers, int(cfg.worker_memory_mb), prebind=pool_functions)
+            if num_workers > 0 and pool_functions
+            else None
         )
-        self._pool = WorkerPool(num_workers, int(cfg.worker_memory_mb)) if wants_pool else None
         self._num_workers = num_workers
         self._local = InProcessExecutor()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._local)
@@ -260,6 +280,10 @@ class RewardRunner:
                     errors.append(f"{name}: {outcome.error}" if self._multi else outcome.error)
                     kinds.append(outcome.error_kind)
                     self._log_once(component.fn, outcome)
+            if not math.isfinite(total):  # huge weights times large scores: never a reward to train on
+                errors.append(f"the weighted total {total} is not finite")
+                kinds.append("bad_return")
+                total = 0.0
             if errors:
                 info["error"] = "; ".join(errors)
                 info["error_kind"] = ",".join(dict.fromkeys(kinds))
@@ -267,17 +291,17 @@ class RewardRunner:
                 timed_out += "timeout" in kinds
             sample.reward = float(total)
             sample.reward_info = info
-        rewards = [s.reward for s in samples]
+        mean, std = _mean_std([s.reward for s in samples])
         metrics = {
-            "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
-            "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "reward/mean": mean,
+            "reward/std": std,
             "reward/errors": float(failed),
             "reward/timeouts": float(timed_out),
         }
         if self._multi:
             for name, indices in members.items():
                 scored = [outcomes[(i, name)] for i in indices]
-                metrics[f"reward/{name}/mean"] = statistics.fmean(o.score for o in scored)
+                metrics[f"reward/{name}/mean"] = _mean_std([o.score for o in scored])[0]
                 metrics[f"reward/{name}/count"] = float(len(scored))
                 metrics[f"reward/{name}/errors"] = float(sum(o.failed for o in scored))
         if self._pool is not None:

@@ -6,14 +6,15 @@ are imported once there and every worker forked from it starts warm.
 
 from __future__ import annotations
 
+import os
 import signal
 from multiprocessing.connection import Connection
 
 import math_verify  # noqa: F401  (preloaded: see the module docstring)
 
 from miles.rewards.calls import call_sync
-from miles.rewards.loading import BoundReward, bind
-from miles.rewards.outcome import failure, outcome_from_exception
+from miles.rewards.loading import BoundReward, RewardFunction, bind
+from miles.rewards.outcome import RewardOutcome, failure, outcome_from_exception
 
 
 def _limit_address_space(memory_mb: int) -> None:
@@ -38,10 +39,31 @@ def _reply(conn: Connection, message: tuple) -> None:
         conn.send((call_id, offset, [note] * len(outcomes), recycle))
 
 
+def _bind_once(bound: dict[str, BoundReward], fn: RewardFunction) -> RewardOutcome | None:
+    """Builds `fn` in this worker unless it already is; the failure (a class constructor raised) or None."""
+    if fn.name in bound:
+        return None
+    try:
+        bound[fn.name] = bind(fn)
+    except BaseException as e:  # building the reward (a class constructor) is user code too
+        return outcome_from_exception(e)
+    return None
+
+
 def worker_main(conn: Connection, memory_mb: int) -> None:
-    """Receives (call_id, RewardFunction, samples); replies (call_id, offset, outcomes, recycle) after each sample
-    (once for a batched reward), so the parent can time each sample while the worker moves straight on to the
-    next. None or EOF stops it. Rewards run on this process's main thread, so signal-based timeouts work."""
+    """Receives ("bind", RewardFunction) or (call_id, RewardFunction, samples).
+
+    A bind builds the reward (a class reward's constructor may load a model) and replies ("bound", name, failure
+    or None); the pool times it with its own, generous deadline (pool.BIND_TIMEOUT_S), so the per-sample clock
+    of reward.timeout_s starts only once the reward exists. A call replies (call_id, offset, outcomes, recycle)
+    after each sample (once for a batched reward), so the parent can time each sample while the worker moves
+    straight on to the next. None or EOF stops it. Rewards run on this process's main thread, so signal-based
+    timeouts work. The worker leads a process group of its own, so the pool can kill whatever a reward started
+    (a checker, a compiler) together with it."""
+    try:
+        os.setsid()
+    except OSError:  # already a group leader (never under multiprocessing): the pool kills just this pid then
+        pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then closes the pool
     _limit_address_space(memory_mb)
     bound: dict[str, BoundReward] = {}
@@ -52,16 +74,16 @@ def worker_main(conn: Connection, memory_mb: int) -> None:
             return
         if message is None:
             return
+        if message[0] == "bind":
+            fn = message[1]
+            conn.send(("bound", fn.name, _bind_once(bound, fn)))
+            continue
         call_id, fn, samples = message
         groups = [samples] if fn.batched else [[s] for s in samples]
         offset = 0
         for group in groups:
-            try:
-                if fn.name not in bound:
-                    bound[fn.name] = bind(fn)
-                outcomes = call_sync(fn, bound[fn.name], group)
-            except BaseException as e:  # building the reward (a class constructor) is user code too
-                outcomes = [outcome_from_exception(e)] * len(group)
+            problem = _bind_once(bound, fn)  # normally bound already, by a bind message
+            outcomes = [problem] * len(group) if problem is not None else call_sync(fn, bound[fn.name], group)
             recycle = any(
                 o.error_kind == "memory" for o in outcomes
             )  # its heap may be full of leaked objects

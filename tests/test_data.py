@@ -98,3 +98,50 @@ def test_prompt_template_and_loader() -> None:
     loader = PromptLoader(samples, batch_size=4, shuffle=True, seed=0)
     seen = [s.prompt for _ in range(5) for s in loader.next_batch()]
     assert len(seen) == 20 and set(seen) == {s.prompt for s in samples}
+
+
+def _save_dataset_dict(path: Path, splits: list[str]) -> str:
+    import datasets
+
+    datasets.disable_progress_bars()
+    dd = datasets.DatasetDict(
+        {name: datasets.Dataset.from_list([{"prompt": f"{name} q", "label": "1"}]) for name in splits}
+    )
+    dd.save_to_disk(str(path))
+    return str(path)
+
+
+def test_a_saved_dataset_dict_as_eval_path_reads_its_test_split(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from miles.data import load_eval_rows
+
+    folder = _save_dataset_dict(tmp_path / "dd", ["train", "validation", "test"])
+    with caplog.at_level("INFO", logger="miles.data"):
+        train, test = load_rows(DataConfig(path=folder, eval_path=folder))
+    assert [r.prompt for r in train] == ["train q"] and [r.prompt for r in test] == ["test q"]
+    assert "reading split 'test'" in caplog.text
+    # `miles eval --data DIR` reads only the held-out split
+    assert [r.prompt for r in load_eval_rows(DataConfig(source="file", path=folder, eval_path=folder))] == [
+        "test q"
+    ]
+
+    no_test = _save_dataset_dict(tmp_path / "dd2", ["train", "validation"])
+    assert [r.prompt for r in load_rows(DataConfig(path=no_test, eval_path=no_test))[1]] == ["validation q"]
+
+    only_train = _save_dataset_dict(tmp_path / "dd3", ["train"])
+    with caplog.at_level("WARNING", logger="miles.data"):
+        assert [r.prompt for r in load_rows(DataConfig(path=only_train, eval_path=only_train))[1]] == [
+            "train q"
+        ]
+    assert "has no 'test' / 'validation' split" in caplog.text
+
+
+def test_dir_colon_split_picks_a_split(tmp_path: Path) -> None:
+    folder = _save_dataset_dict(tmp_path / "dd", ["train", "validation", "test"])
+    train, test = load_rows(DataConfig(path=f"{folder}:validation", eval_path=f"{folder}:train"))
+    assert [r.prompt for r in train] == ["validation q"] and [r.prompt for r in test] == ["train q"]
+    with pytest.raises(
+        MilesUserError, match=r"no split 'dev'; the dataset has \['test', 'train', 'validation'\]"
+    ):
+        load_rows(DataConfig(path=f"{folder}:dev"))

@@ -110,3 +110,30 @@ def test_bench_prints_a_table_and_a_json_line(capsys: pytest.CaptureFixture[str]
     for name in ("math_numeric", "math_numeric_in_process", "math_latex", "code"):
         assert record[f"{name}_samples_per_s"] > 0
         assert record[f"{name}_errors"] == 0.0
+
+
+def test_response_ids_come_from_the_rows_or_the_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reward = tmp_path / "length.py"
+    reward.write_text("def length(sample):\n    return {'score': 1.0, 'tokens': len(sample.response_ids)}\n")
+    fn = f"{reward}:length"
+    with_ids = write_jsonl(
+        tmp_path / "ids.jsonl", [{"response": "abc", "label": "x", "response_ids": [1, 2, 3, 4]}]
+    )
+    code, lines, err = run_cli(["--fn", fn, with_ids, "--num-workers", "0"], capsys)
+    assert code == 0 and lines[0]["tokens"] == 4 and "warning" not in err
+
+    without = write_jsonl(tmp_path / "text.jsonl", [{"response": "abc", "label": "x"}])
+    code, lines, err = run_cli(["--fn", fn, without, "--num-workers", "0"], capsys)
+    assert code == 0 and lines[0]["tokens"] == 0
+    assert "1 of 1 samples have no response_ids" in err and "--tokenizer" in err
+
+    code, lines, err = run_cli(
+        ["--fn", fn, without, "--num-workers", "0", "--tokenizer", "init:qwen3_moe:tiny"], capsys
+    )
+    assert code == 0 and lines[0]["tokens"] == 3 and "warning" not in err  # the character tokenizer
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"response": "abc", "response_ids": "1 2"}])
+    code, _, err = run_cli(["--fn", fn, bad], capsys)
+    assert code == 2 and "list of token ids" in err

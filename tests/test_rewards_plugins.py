@@ -190,3 +190,31 @@ def test_format_builtin(response: str, kwargs: dict, score: float) -> None:
     result = format_reward(Sample(response_text=response), **kwargs)
     assert result["score"] == score
     assert bool(result["format_error"]) == (score == 0.0)
+
+
+def test_a_shared_kwarg_no_reward_takes_is_an_error_with_several_rewards() -> None:
+    cfg = RewardConfig(
+        weights={"exact_match": 1.0, "format": 0.2}, kwargs={"case_sensitiv": True}, num_workers=0
+    )
+    with pytest.raises(
+        RewardConfigError, match=r"\['case_sensitiv'\] is taken by none of the rewards"
+    ) as info:
+        RewardRunner(cfg)
+    assert "'exact_match' takes ['case_sensitive', 'extract']" in str(info.value)
+    misspelt_namespace = RewardConfig(
+        weights={"exact_match": 1.0, "format": 0.2},
+        kwargs={"exact_mach": {"case_sensitive": True}},
+        num_workers=0,
+    )
+    with pytest.raises(RewardConfigError, match="exact_mach"):
+        RewardRunner(misspelt_namespace)
+    with pytest.raises(RewardConfigError, match="must be a mapping"):
+        RewardRunner(
+            RewardConfig(weights={"exact_match": 1.0, "format": 0.2}, kwargs={"format": 1}, num_workers=0)
+        )
+    shared = RewardConfig(
+        weights={"exact_match": 1.0, "format": 0.2}, kwargs={"case_sensitive": True}, num_workers=0
+    )
+    with RewardRunner(shared) as runner:  # taken by one of them: passed to that one only
+        assert runner.functions["exact_match"].kwargs == {"case_sensitive": True}
+        assert runner.functions["format"].kwargs == {}

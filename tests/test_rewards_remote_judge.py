@@ -157,6 +157,31 @@ def test_remote_call_past_the_runner_timeout(server: RewardServer) -> None:
     assert metrics["reward/timeouts"] == 1.0
 
 
+@pytest.mark.parametrize("client", ["httpx", "urllib"])
+def test_remote_retries_stop_within_total_timeout(server: RewardServer, client: str) -> None:
+    """Retries that cannot fit in total_timeout_s are not started: the sample fails with the reward's own error
+    before the runner's timeout, after as many attempts as fit."""
+    cfg = remote_cfg(server, client, max_retries=10, request_timeout_s=0.4, total_timeout_s=1.0)
+    cfg.timeout_s = 3.0
+    batch = [Sample(response_text="stuck", label="budget")]
+    start = time.monotonic()
+    with RewardRunner(cfg) as runner:
+        metrics = runner.score(batch)
+    assert time.monotonic() - start < 2.5
+    assert batch[0].reward_info["error_kind"] == "exception" and metrics["reward/timeouts"] == 0.0
+    assert "(total_timeout_s=1 s spent)" in batch[0].reward_info["error"]
+    assert 2 <= server.attempts["budget"] <= 3
+
+
+def test_remote_defaults_fit_the_default_reward_timeout() -> None:
+    from miles.rewards.remote import RemoteReward
+
+    remote = RemoteReward("http://127.0.0.1:1/score")
+    assert remote.total_timeout_s < RewardConfig().timeout_s
+    with pytest.raises(ValueError, match="total_timeout_s > 0"):
+        RemoteReward("http://127.0.0.1:1/score", total_timeout_s=0)
+
+
 def test_remote_rejects_a_bad_url() -> None:
     with pytest.raises(Exception, match="http:// or https://"):
         RewardRunner(RewardConfig(fn="remote", kwargs={"url": "localhost:8000"}, num_workers=0))

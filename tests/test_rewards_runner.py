@@ -173,3 +173,97 @@ def test_score_early_starts_the_graders_before_score_and_gives_the_same_scores(t
         plain = runner.score(again)
         assert [s.reward for s in again] == [2.0, 3.0, 1.0, 4.0] and "reward/early/num_samples" not in plain
         assert {k: v for k, v in metrics.items() if k != "reward/early/num_samples"} == plain
+
+
+def _reward_file(tmp_path: Path, source: str) -> str:
+    path = tmp_path / "rewards_under_test.py"
+    path.write_text(source)
+    return str(path)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_a_timed_out_reward_takes_the_processes_it_started_with_it(tmp_path: Path) -> None:
+    marker = f"{time.time() % 1000:.6f}"  # an argument no other process has: `sleep 47.<marker>`
+    source = f"import subprocess\ndef spawns(sample):\n    subprocess.run(['sleep', '47{marker}'])\n    return 1.0\n"
+    cfg = RewardConfig(fn=f"{_reward_file(tmp_path, source)}:spawns", num_workers=1, timeout_s=1.0)
+    try:
+        with RewardRunner(cfg) as runner:
+            batch = batch_of("x")
+            runner.score(batch)
+            assert kinds(batch) == ["timeout"]
+            deadline = time.monotonic() + 5
+            while _processes_with(f"47{marker}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _processes_with(f"47{marker}") == []  # killed with its worker's process group
+    finally:
+        for pid in _processes_with(f"47{marker}"):  # only what this test started, should it have survived
+            os.kill(pid, 9)
+
+
+def test_a_slow_class_constructor_does_not_count_against_the_sample_timeout(tmp_path: Path) -> None:
+    source = (
+        "import time\nclass SlowInit:\n    def __init__(self):\n        time.sleep(1.5)  # loads a model\n"
+        "    def __call__(self, sample):\n        return 1.0\n"
+    )
+    cfg = RewardConfig(fn=f"{_reward_file(tmp_path, source)}:SlowInit", num_workers=1, timeout_s=0.5)
+    with RewardRunner(cfg) as runner:
+        batch = batch_of("a", "b", "c")
+        metrics = runner.score(batch)
+    assert [s.reward for s in batch] == [1.0, 1.0, 1.0]
+    assert metrics["reward/errors"] == 0.0 and metrics["reward/worker_restarts"] == 0.0
+
+
+def test_a_constructor_past_the_bind_timeout_fails_its_samples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import miles.rewards.pool as pool
+
+    monkeypatch.setattr(pool, "BIND_TIMEOUT_S", 1.0)
+    source = (
+        "import time\nclass Hangs:\n    def __init__(self):\n        time.sleep(60)\n"
+        "    def __call__(self, sample):\n        return 1.0\n"
+    )
+    cfg = RewardConfig(fn=f"{_reward_file(tmp_path, source)}:Hangs", num_workers=1, timeout_s=0.5)
+    start = time.monotonic()
+    with RewardRunner(cfg) as runner:
+        batch = batch_of("a", "b")
+        runner.score(batch)
+    assert kinds(batch) == ["timeout", "timeout"]
+    assert "building reward" in batch[0].reward_info["error"]
+    assert time.monotonic() - start < 8
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_huge_scores_cost_their_sample_and_never_break_the_metrics(tmp_path: Path, num_workers: int) -> None:
+    source = "def huge(sample):\n    return float(sample.response_text)\n"
+    cfg = RewardConfig(fn=f"{_reward_file(tmp_path, source)}:huge", num_workers=num_workers)
+    with RewardRunner(cfg) as runner:
+        batch = batch_of("1e308", "1e308", "-1e31", "2.0")
+        metrics = runner.score(batch)
+    assert [s.reward for s in batch] == [0.0, 0.0, 0.0, 2.0]
+    assert kinds(batch) == ["bad_return", "bad_return", "bad_return", None]
+    assert metrics["reward/mean"] == 0.5 and metrics["reward/errors"] == 3.0
+
+
+def test_weighted_totals_that_overflow_cost_their_sample(tmp_path: Path) -> None:
+    source = "def big(sample):\n    return 1e29\n"
+    cfg = RewardConfig(
+        weights={f"{_reward_file(tmp_path, source)}:big": 1e300, "exact_match": 1.0}, num_workers=0
+    )
+    with RewardRunner(cfg) as runner:
+        batch = batch_of("1", "1")
+        metrics = runner.score(batch)
+    assert [s.reward for s in batch] == [0.0, 0.0]
+    assert "not finite" in batch[0].reward_info["error"]
+    assert metrics["reward/mean"] == 0.0 and metrics["reward/big/mean"] == 1e29

@@ -266,3 +266,54 @@ def test_extract_program_and_compare() -> None:
     assert outputs_match("0.3333333", "0.33333333")
     assert not outputs_match("0.33", "0.3333333")
     assert not outputs_match("1 2", "1 2 3")
+
+
+def test_extract_program_prefers_python_blocks_over_a_later_unlabeled_one() -> None:
+    response = "Solution:\n```python\nn = int(input())\nprint(n * 2)\n```\nExample:\n```\n4\n```\n"
+    assert extract_program(response) == "n = int(input())\nprint(n * 2)\n"
+    assert extract_program("```\n4\n```\n```py\nprint(5)\n```\n```\nout\n```") == "print(5)\n"
+    assert (
+        extract_program("```\nprint(1)\n```\n```\nprint(2)\n```") == "print(2)\n"
+    )  # none labeled: last unlabeled
+    assert (
+        extract_program("```\nprint(1)\n```\n```bash\nls\n```") == "print(1)\n"
+    )  # unlabeled before other langs
+
+
+def test_process_isolation_refuses_dir_fd_sqlite_and_signal_escapes(tmp_path: Path) -> None:
+    """The audit-hook fallback: writes relative to a dir_fd or through sqlite, and signals to other processes."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    target = tmp_path / "escaped"
+    escapes = {
+        "dir_fd_open": f"import os\nd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+        "os.write(os.open('escaped', os.O_WRONLY | os.O_CREAT, dir_fd=d), b'x')",
+        "dir_fd_mkfifo": f"import os\nos.mkfifo('escaped', dir_fd=os.open({str(tmp_path)!r}, os.O_RDONLY))",
+        "rename_out": f"import os\nopen('f', 'w').write('x')\nos.rename('f', {str(target)!r})",
+        "sqlite_connect": f"import sqlite3\nsqlite3.connect({str(target)!r}).execute('create table t(x)')",
+        "sqlite_uri": f"import sqlite3\nsqlite3.connect('file:{target}?mode=rwc', uri=True).execute('create table t(x)')",
+        "sqlite_attach": f"import sqlite3\nsqlite3.connect(':memory:').execute(\"ATTACH DATABASE '{target}' AS a\")",
+        "kill": f"import os\nos.kill({victim.pid}, 9)",
+        "signal_everything": "import os\nos.kill(-1, 0)",  # signal 0: a regression must not kill the host
+        "pidfd": f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({victim.pid}), 9)",
+    }
+    allowed = {
+        "own_files": "import os, sqlite3\nos.mkdir('d')\nd = os.open('d', os.O_RDONLY)\n"
+        "os.close(os.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=d))\n"
+        "c = sqlite3.connect('db.sqlite')\nc.execute(\"ATTACH DATABASE 'other.db' AS o\")\nprint('ok')",
+        "own_signals": "import os, signal, threading\nos.kill(os.getpid(), 0)\nos.killpg(0, 0)\n"
+        "signal.pthread_kill(threading.main_thread().ident, 0)\nprint('ok')",
+    }
+    try:
+        programs = {**escapes, **allowed}
+        run = run_in_sandbox([ProgramCase(code) for code in programs.values()], LIMITS, isolation="process")
+        results = dict(zip(programs, run.cases))
+        for name in escapes:
+            assert not results[name].ok, f"{name} was not refused: {results[name]}"
+            assert "sandbox:" in results[name].stderr or "not authorized" in results[name].stderr, name
+        for name in allowed:
+            assert results[name].ok and results[name].stdout == "ok\n", results[name]
+        assert victim.poll() is None  # still alive
+        assert not target.exists()
+    finally:
+        victim.kill()
+        victim.wait()
