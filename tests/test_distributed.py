@@ -305,11 +305,12 @@ def test_sft_on_two_processes_takes_one_process_steps(tmp_path: Path) -> None:
     out = run_miles(tmp_path, *common, "placement.num_processes=2", run_dir=tmp_path / "two")
     assert out.returncode == 0, out.stderr[-3000:]
     single, double = _records(tmp_path / "one"), _records(tmp_path / "two")
-    assert [r["step"] for r in double] == [1, 2]
-    for mine, theirs in zip(double, single, strict=True):
+    assert [r["step"] for r in double] == [r["step"] for r in single] == [0, 1, 2]  # eval at the start too
+    for mine, theirs in zip(double[1:], single[1:], strict=True):
         for key in ("train/loss", "train/grad_norm", "train/tokens"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4), key
-    assert double[-1]["eval/num_samples"] == 4
+    assert double[0]["eval/num_samples"] == double[-1]["eval/num_samples"] == 4
+    assert double[0]["eval/accuracy"] == pytest.approx(single[0]["eval/accuracy"])
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [
         "step_000001",
         "step_000002",
