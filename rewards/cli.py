@@ -4,8 +4,8 @@ Prints one JSON line per sample in input order ({"score": ..., the reward's extr
 then one summary line ({"summary": {reward/* metrics, samples, seconds}}). Exit status 0 even when some samples
 failed; 2 for bad input (missing file, unknown reward, bad JSON), with the reason on stderr.
 
-Token ids: `sample.response_ids` / `prompt_ids` come from the rows' `response_ids` / `prompt_ids` fields (the
-training run's samples.jsonl has them); rows without them are tokenized with `--tokenizer` when given. Otherwise
+Token ids: `sample.response_ids` / `prompt_ids` come from the rows' `response_ids` / `prompt_ids` fields; rows
+without them (a training run's samples.jsonl holds texts only) are tokenized with `--tokenizer` when given. Otherwise
 the ids stay empty, which a length-based reward would misread, so a warning on stderr says how many rows lack them.
 """
 
