@@ -87,6 +87,10 @@ KEEPALIVE_S = 0.5
 """A stream with nothing to send for this long sends an SSE comment: writing is how a hang-up is noticed."""
 CLIENT_POLL_S = 0.25
 """How often a non-streamed request looks whether its client hung up while it waits."""
+CLIENT_IO_TIMEOUT_S = 60.0
+"""A connection's socket reads and writes give up after this long: a client that sends a request slowly or
+only in part (a Content-Length longer than its body), or stops reading a stream, would otherwise hold a server
+thread (and a stream's generation) for ever. Idle keep-alive connections close after it too."""
 _NO_OPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "'echo' is not supported"),
     "suffix": (("",), "'suffix' is not supported (no insertion; send it empty or not at all)"),
@@ -189,6 +193,7 @@ class EngineServer:
         self.api_key = api_key or None
         self.keepalive_s = KEEPALIVE_S
         self.client_poll_s = CLIENT_POLL_S
+        self.client_io_timeout_s = CLIENT_IO_TIMEOUT_S
         self._jobs: queue.Queue[_Job | _Task] = queue.Queue()
         self._stop = threading.Event()
         self._engine_thread = threading.Thread(target=self._engine_loop, name="miles-engine", daemon=True)
@@ -1024,6 +1029,10 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
         """This request's body was read or discarded (reading it twice would block on the next request)."""
 
         @property
+        def timeout(self) -> float:  # type: ignore[override]  # read by StreamRequestHandler.setup
+            return server.client_io_timeout_s
+
+        @property
         def route_path(self) -> str:
             """The path without its query string (`?api-version=...`), which no route reads."""
             return urllib.parse.urlsplit(self.path).path
@@ -1116,7 +1125,15 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 raise RequestError(HTTPStatus.BAD_REQUEST, "Content-Length must be a non-negative integer")
             if length > MAX_BODY_BYTES:
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes")
-            raw = self.rfile.read(length)
+            try:
+                raw = self.rfile.read(length)
+            except TimeoutError:  # what did arrive cannot be told from the next request: the connection ends
+                self.close_connection = True
+                raise RequestError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"the request's body did not arrive within {server.client_io_timeout_s:g} s",
+                    "timeout",
+                ) from None
             try:
                 body = json.loads(raw or b"{}")
             except json.JSONDecodeError as err:

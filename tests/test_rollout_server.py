@@ -685,6 +685,32 @@ def test_a_non_streamed_request_whose_client_hangs_up_is_aborted(loaded: Any) ->
         server.shutdown()
 
 
+def test_a_client_that_sends_its_request_in_part_is_timed_out(loaded: Any) -> None:
+    """A body shorter than its Content-Length gets a 408 and an idle connection is closed, both after
+    `client_io_timeout_s`, which frees their server threads; the server goes on answering others."""
+    import socket
+
+    server = scripted_server(loaded.tokenizer, "7 ")
+    server.client_io_timeout_s = 0.3
+    try:
+        host, port = server.httpd.server_address[:2]
+        partial = raw_request(server, "/v1/completions", {"prompt": "1", "max_tokens": 2})[:-5]
+        # A body cut short; a connection that never sends anything.
+        for request, answer in ((partial, b"HTTP/1.1 408"), (b"", b"")):
+            with socket.create_connection((host, port), timeout=10) as client:
+                client.sendall(request)
+                start = time.monotonic()
+                reply = b""
+                while chunk := client.recv(4096):  # until the server closes the connection
+                    reply += chunk
+                assert reply.startswith(answer) and (answer or not reply), reply
+                assert time.monotonic() - start < 5
+        assert server.engine.aborted == 0 and not server.engine.has_unfinished  # nothing was queued
+        assert call(server, "/health") == (200, {"status": "ok"})
+    finally:
+        server.shutdown()
+
+
 def test_a_chat_template_that_refuses_the_messages_is_a_400(loaded: Any) -> None:
     import copy
 
