@@ -27,12 +27,16 @@ from typing import Any
 from miles.config import RewardConfig
 from miles.rewards.inprocess import InProcessExecutor
 from miles.rewards.loading import BUILTINS, RewardConfigError, RewardFunction, check_shared_kwargs, describe
-from miles.rewards.outcome import RewardOutcome
+from miles.rewards.outcome import RewardOutcome, failure
 from miles.rewards.pool import WorkerPool
 from miles.sample import Sample
 
 log = logging.getLogger("miles.rewards")
 
+LOCAL_TIMEOUTS_IN_A_ROW = 3
+"""In-process sync calls (num_workers=0, the judge) run one after another and a timed-out thread cannot be
+killed: after this many timeouts in a row of one reward in one batch, its other samples there fail at once
+instead of costing `timeout_s` each (a reward stuck on every sample would cost N x timeout_s a step)."""
 CHUNKS_PER_WORKER = 4
 """Per-sample rewards go to the pool in this many chunks per worker: few round trips, still balanced."""
 
@@ -240,9 +244,21 @@ class RewardRunner:
             for fn, indices in calls
             if self._placement(fn) == "pool"
         ]
+        timeouts_in_a_row: Counter[str] = Counter()
         for fn, indices in calls:
-            if self._placement(fn) == "local":
-                record(fn, indices, self._local.run_sync(fn, [samples[i] for i in indices], self.timeout_s))
+            if self._placement(fn) != "local":
+                continue
+            if timeouts_in_a_row[fn.name] >= LOCAL_TIMEOUTS_IN_A_ROW:
+                message = (
+                    f"not run: {fn.name} timed out on {LOCAL_TIMEOUTS_IN_A_ROW} samples in a row in this batch "
+                    f"(reward.timeout_s={self.timeout_s:g}); with reward.num_workers > 0 a stuck call is killed"
+                )
+                record(fn, indices, [failure("timeout", message)] * len(indices))
+                continue
+            results = self._local.run_sync(fn, [samples[i] for i in indices], self.timeout_s)
+            timed_out = bool(results) and all(r.error_kind == "timeout" for r in results)
+            timeouts_in_a_row[fn.name] = timeouts_in_a_row[fn.name] + 1 if timed_out else 0
+            record(fn, indices, results)
         async_calls = [(fn, indices) for fn, indices in calls if self._placement(fn) == "async"]
         results = self._local.run_async(
             [(fn, [samples[i] for i in indices]) for fn, indices in async_calls], self.timeout_s

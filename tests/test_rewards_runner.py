@@ -104,6 +104,21 @@ def test_hostile_rewards_in_process() -> None:
         assert runner.score(again)["reward/mean"] == 1.0
 
 
+def test_an_in_process_reward_stuck_on_every_sample_costs_three_timeouts_a_batch() -> None:
+    """Calls in the trainer's process run one after another and cannot be killed: after three timeouts in a
+    row the reward's other samples of the batch fail at once (counted as timeouts) rather than each waiting
+    `timeout_s`; a call that returns resets the count, and the next batch tries again."""
+    batch = batch_of("sleep", "sleep", "ok", "sleep", "sleep", "sleep", "sleep", "sleep", "ok")
+    with RewardRunner(RewardConfig(fn=f"{USER}:selective", timeout_s=0.3, num_workers=0)) as runner:
+        metrics = runner.score(batch)
+        assert kinds(batch) == ["timeout"] * 2 + [None] + ["timeout"] * 6
+        assert metrics["reward/timeouts"] == 8.0
+        assert runner._local.abandoned == 5  # 2 + 3 threads given up on, not 8
+        assert all("not run" in s.reward_info["error"] for s in batch[6:])
+        assert "took longer" in batch[5].reward_info["error"]
+        assert runner.score(batch_of("ok"))["reward/mean"] == 1.0
+
+
 def test_async_rewards_time_out_and_a_blocked_loop_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = batch_of("ok", "sleep", "raise", "ok")
     with RewardRunner(RewardConfig(fn=f"{USER}:async_selective", timeout_s=0.5)) as runner:
