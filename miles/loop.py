@@ -128,6 +128,15 @@ def prepare_inputs(cfg: MilesConfig, dp: DataParallel = SINGLE) -> RunInputs:
     return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos)
 
 
+_SCHEDULE_KEYS = (
+    "trainer.global_batch_size",
+    "trainer.epochs_per_rollout",
+    "rollout.rollout_batch_size",
+    "rollout.n_samples_per_prompt",
+)
+"""Settings that change how many optimizer steps an RL step takes, so the LR schedule's length."""
+
+
 def resume_run(
     cfg: MilesConfig,
     folder: Path,
@@ -157,10 +166,13 @@ def resume_run(
     if trainer.model is not model:  # the megatron backend trains a copy of the weights
         trainer.model.load_from(model)
     trainer.load_state_dict(state.trainer)
+    resized = [c for c in changes if c.startswith(_SCHEDULE_KEYS)]
     if max_steps != state.max_steps:
-        # A longer (or shorter) run: the cosine schedule is re-sized to it from the current position.
-        log.info("trainer.max_steps %d -> %d: the LR schedule is re-sized", state.max_steps, max_steps)
-        trainer.total_optimizer_steps = None
+        resized.append(f"trainer.max_steps: {state.max_steps} -> {max_steps}")
+    if resized:
+        # The cosine schedule ends at the run's last step from where it stands, with the steps a call now takes.
+        log.info("the LR schedule is re-sized from the current position (%s)", "; ".join(resized))
+        trainer.resize_schedule(max_steps - state.step)
     loader.load_state_dict(state.loader)
     engine_state = state.engine.get("ranks", [state.engine])  # one entry per rank of the saved run
     if len(engine_state) != dp.world_size:

@@ -236,6 +236,25 @@ def test_ppo_epochs_and_minibatches_clip_off_policy_ratios() -> None:
     assert trainer.total_optimizer_steps == TrainerConfig().max_steps * 4 * 2
 
 
+def test_a_resized_schedule_ends_at_the_run_s_last_step() -> None:
+    """A resumed run whose batch size changed: the schedule is the steps already taken plus the calls left
+    times the steps a call now takes, so the LR reaches its end at the run's last step."""
+    samples = random_samples(8, seed=3)
+    for i, s in enumerate(samples):
+        s.advantage = 1.0 if i % 2 else -1.0
+    first = make_trainer(tiny_model(0), lr=1e-2, max_steps=4, global_batch_size=4)
+    for _ in range(2):
+        first.train_step(samples)  # 2 optimizer steps a call
+    assert first.total_optimizer_steps == 8 and first.optimizer_steps_done == 4
+    resumed = make_trainer(copy.deepcopy(first.model), lr=1e-2, max_steps=4, global_batch_size=2)
+    resumed.load_state_dict(first.state_dict())
+    resumed.resize_schedule(2)
+    resumed.train_step(samples)  # 4 optimizer steps a call now
+    assert resumed.total_optimizer_steps == 4 + 2 * 4
+    resumed.train_step(samples)
+    assert resumed.optimizer_steps_done == resumed.total_optimizer_steps == 12
+
+
 def test_sft_step_reduces_nll() -> None:
     model = tiny_model(0, std=0.05)
     samples = random_samples(6, seed=4)

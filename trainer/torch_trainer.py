@@ -118,6 +118,8 @@ class TorchTrainer:
         """The parameter name of each tensor the optimizer updates."""
         self.optimizer = build_optimizer([t for _, t in trainable], cfg)
         self.total_optimizer_steps = total_optimizer_steps
+        self._schedule_calls: int | None = None
+        """Calls the schedule is sized for from where it stands (`resize_schedule`); None: cfg.max_steps."""
         self.optimizer_steps_done = 0
         # bf16 weights compute in bf16 with or without autocast
         compute = "bf16" if cfg.precision == "bf16" or model.dtype == torch.bfloat16 else "fp32"
@@ -130,6 +132,17 @@ class TorchTrainer:
 
     def set_total_optimizer_steps(self, total: int) -> None:
         self.total_optimizer_steps = int(total)
+
+    def resize_schedule(self, calls_left: int) -> None:
+        """Size the cosine schedule again at the next call, to end after `calls_left` more calls (a resumed
+        run whose length, batch size or epochs changed): the optimizer steps taken so far, plus `calls_left`
+        times the steps a call then takes."""
+        self.total_optimizer_steps, self._schedule_calls = None, max(1, int(calls_left))
+
+    def _size_schedule(self, steps_per_call: int) -> None:
+        if self.total_optimizer_steps is None:
+            calls = self.cfg.max_steps if self._schedule_calls is None else self._schedule_calls
+            self.total_optimizer_steps = self.optimizer_steps_done + calls * steps_per_call
 
     # ---- public steps -------------------------------------------------------------------------------
 
@@ -155,8 +168,7 @@ class TorchTrainer:
 
         gbs, epochs = self.cfg.global_batch_size, self.cfg.epochs_per_rollout
         steps_per_epoch = math.ceil(n_total / gbs)
-        if self.total_optimizer_steps is None:
-            self.total_optimizer_steps = self.cfg.max_steps * steps_per_epoch * epochs
+        self._size_schedule(steps_per_epoch * epochs)
         # One epoch in one optimizer step is on-policy: the training forward runs on the weights the old
         # logprobs would be recomputed with, so its detached logprobs serve as both (one forward saved).
         on_policy = epochs == 1 and steps_per_epoch == 1
@@ -215,8 +227,7 @@ class TorchTrainer:
             validate_sample(sample, i)
         if self._positions(samples)[1] == 0:
             raise ValueError("sft_step got no samples")
-        if self.total_optimizer_steps is None:
-            self.total_optimizer_steps = self.cfg.max_steps
+        self._size_schedule(1)
         masks = [
             torch.tensor(response_loss_mask(s), dtype=torch.float32, device=self.device) for s in samples
         ]
