@@ -2,7 +2,11 @@
 living there (the judge's engine), and every reward when reward.num_workers=0.
 
 Sync calls run one at a time on a helper thread. A call past its timeout is abandoned (Python cannot kill a
-thread) and a fresh helper takes over; the abandoned thread finishes, or not, in the background. Async calls run
+thread) and a fresh helper takes over; the abandoned thread finishes, or not, in the background. A reward that
+drives an engine (the judge: an `engine` with `generate`) is never abandoned: the abandoned thread would go on
+stepping that engine beside the next call, or beside the rollout when it is the policy's own, and engines are
+stepped by one thread at a time. Its calls end by themselves (generation stops at max_new_tokens), so they are
+waited for. Async calls run
 concurrently on an event-loop thread, each under its own timeout; a reward that blocks that loop (sync work inside
 an `async def`) gets the loop abandoned and replaced the same way. Only worker processes give a hard kill and a
 memory cap, which is why they are the default for sync rewards.
@@ -63,6 +67,11 @@ class _EventLoopThread:
             self.loop.close()
 
 
+def drives_an_engine(bound: BoundReward) -> bool:
+    """Whether a reward holds an engine it generates with (the judge), which only one thread may step."""
+    return callable(getattr(getattr(bound.instance, "engine", None), "generate", None))
+
+
 class InProcessExecutor:
     def __init__(self) -> None:
         self._bound: dict[str, BoundReward] = {}
@@ -79,9 +88,10 @@ class InProcessExecutor:
         if self._helper is None:
             self._helper = _Helper()
         future: Future[list[RewardOutcome]] = Future()
-        self._helper.jobs.put((fn, self._bound[fn.name], samples, future))
+        bound = self._bound[fn.name]
+        self._helper.jobs.put((fn, bound, samples, future))
         try:
-            return future.result(timeout=timeout_s)
+            return future.result(timeout=None if drives_an_engine(bound) else timeout_s)
         except FutureTimeout:
             self._helper.abandoned = True
             self._helper.jobs.put(None)

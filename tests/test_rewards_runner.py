@@ -119,6 +119,18 @@ def test_an_in_process_reward_stuck_on_every_sample_costs_three_timeouts_a_batch
         assert runner.score(batch_of("ok"))["reward/mean"] == 1.0
 
 
+def test_a_reward_that_drives_an_engine_is_waited_for_not_abandoned() -> None:
+    """An engine is stepped by one thread at a time: a judge past reward.timeout_s is waited for (its
+    generation ends by itself), so no abandoned thread goes on stepping the engine beside the next call."""
+    cfg = RewardConfig(fn=f"{USER}:SlowJudge", kwargs={"seconds": 0.4}, timeout_s=0.1, num_workers=0)
+    with RewardRunner(cfg) as runner:
+        batch = batch_of("a", "b", "c")
+        metrics = runner.score(batch)
+        assert kinds(batch) == [None, None, None] and metrics["reward/mean"] == 1.0
+        assert runner._local.abandoned == 0
+        assert not any(s.reward_info.get("overlapped") for s in batch)
+
+
 def test_async_rewards_time_out_and_a_blocked_loop_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = batch_of("ok", "sleep", "raise", "ok")
     with RewardRunner(RewardConfig(fn=f"{USER}:async_selective", timeout_s=0.5)) as runner:

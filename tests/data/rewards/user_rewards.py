@@ -56,6 +56,31 @@ class ScaledLength:
         return {"score": self.scale * len(sample.response_text), "pid": self.pid}
 
 
+class _SlowEngine:
+    """Stands in for an engine: one generate call takes `seconds`; two threads inside it at once is a bug."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.inside, self.overlapped = seconds, 0, False
+
+    def generate(self, prompts: list, params: object = None) -> list:
+        self.inside += 1
+        self.overlapped = self.overlapped or self.inside > 1
+        time.sleep(self.seconds)
+        self.inside -= 1
+        return prompts
+
+
+class SlowJudge:
+    """A reward that drives an engine (as the judge does), slower than the test's reward.timeout_s."""
+
+    def __init__(self, seconds: float = 0.6) -> None:
+        self.engine = _SlowEngine(seconds)
+
+    def __call__(self, sample: Sample) -> dict:
+        self.engine.generate([sample.response_text])
+        return {"score": 1.0, "overlapped": self.engine.overlapped}
+
+
 def selective(sample: Sample) -> float:
     """Misbehaves according to the response text."""
     action = sample.response_text
