@@ -244,7 +244,7 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    """Name of the preset (grpo | dr_grpo | sft); `sft` runs the supervised loop instead of RL."""
+    """Name of the preset (grpo | dr_grpo | gspo | sft); `sft` runs the supervised loop instead of RL."""
     advantage: str = "grpo"
     """Advantage estimator registered in miles.trainer.algorithms (grpo, reinforce, ...) or `pkg.mod:func`."""
     normalize_std: bool = True

@@ -46,7 +46,16 @@ def test_help_lists_commands_recipes_and_groups() -> None:
     assert top.returncode == 0 and "train" in top.stdout and "init-model" in top.stdout
     train = miles("train", "--help")
     assert train.returncode == 0
-    for name in ("grpo_math", "grpo_gpu", "sft_math", "grpo_smollm2_math", "model", "algorithm", "placement"):
+    for name in (
+        "grpo_math",
+        "grpo_gpu",
+        "gspo_moe",
+        "sft_math",
+        "grpo_smollm2_math",
+        "model",
+        "algorithm",
+        "placement",
+    ):
         assert name in train.stdout
 
 
@@ -55,6 +64,9 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "recipe: grpo_math" in out.stdout and "lr: 0.5" in out.stdout
     assert not (tmp_path / "outputs").exists()
+    gspo = miles("train", "recipe=gspo_moe", "--cfg", "job", cwd=tmp_path)
+    assert gspo.returncode == 0, gspo.stderr
+    assert "policy_loss: gspo" in gspo.stdout and "loss_agg: seq_mean_token_mean" in gspo.stdout
     gpu = miles("train", "recipe=grpo_gpu", "--cfg", "job", cwd=tmp_path)  # composes without a GPU
     assert gpu.returncode == 0, gpu.stderr
     assert "dtype: bfloat16" in gpu.stdout and "master_weights: true" in gpu.stdout
