@@ -30,7 +30,8 @@ class DataConfig:
     path: str | None = None
     """Local jsonl / parquet file or saved `datasets` folder (source=file; setting it implies file)."""
     eval_path: str | None = None
-    """Held-out split for eval when source=file; None evaluates on a slice of synthetic test data or nothing."""
+    """Held-out rows for eval (jsonl / parquet / saved dataset[:split]), whatever the training source; None:
+    the synthetic / reasoning-gym test split, or nothing for source=file."""
     prompt_key: str = "prompt"
     """Column holding the prompt (text or chat messages)."""
     label_key: str = "label"
@@ -267,6 +268,14 @@ class AlgorithmConfig:
     """Truncated importance sampling against the rollout logprobs."""
     tis_cap: float = 2.0
     """Upper cap of the TIS ratio."""
+    group_filter: str = ""
+    """Dynamic sampling (DAPO): train only on the groups this filter keeps, topping the step up with groups of
+    further prompts (miles/group_filter.py). `nonzero_std` keeps groups whose rewards are not all equal;
+    `pkg.mod:func` / `path/file.py:func` takes one group's scored samples and returns True to keep it.
+    "" = off (every group trains)."""
+    filter_max_batches: int = 4
+    """With `group_filter`: at most this many batches of `rollout.rollout_batch_size` prompts are generated a
+    step; if the kept groups are still fewer, the step trains on those."""
 
 
 @dataclass

@@ -28,6 +28,13 @@ from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
 from miles.distributed import SINGLE, DataParallel, gather_samples, reduce_metrics
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
+from miles.group_filter import (
+    combine_round_metrics,
+    filter_metrics,
+    kept_groups,
+    load_group_filter,
+    trainable,
+)
 from miles.model_io import load_model
 from miles.resume import (
     DRAFT_DIR,
@@ -40,7 +47,7 @@ from miles.resume import (
     write_run_state,
 )
 from miles.sample import Sample, SampleStatus
-from miles.tracking import Tracker, read_records, redact
+from miles.tracking import Tracker, check_new_run_dir, read_records, redact
 from miles.utilization import busy_meter
 
 log = logging.getLogger("miles.loop")
@@ -206,6 +213,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
 
     if cfg.rollout.spec_draft_train:
         _check_draft_training(cfg)  # before the models load
+    if dp.is_main and not cfg.trainer.resume_from:
+        check_new_run_dir(run_dir)  # before the models load too
     inputs = prepare_inputs(cfg, dp)
     model, tokenizer, eos = inputs.model, inputs.tokenizer, inputs.stop_token_ids
     train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
@@ -268,6 +277,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         return_routing=cfg.rollout.record_routing,
     )
     score_early = cfg.reward.score_during_rollout and multiturn is None
+    group_filter, warned_short = load_group_filter(cfg.algorithm.group_filter), False
     eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
     resume_from, wandb_run_id = None, None
     if cfg.trainer.resume_from:
@@ -275,6 +285,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         found: str | MilesUserError
         try:
             found = str(find_checkpoint(cfg.trainer.resume_from, run_dir, cfg.recipe)) if dp.is_main else ""
+            if found:  # checkpoints/step_N/ -> its run folder
+                check_new_run_dir(run_dir, Path(found).parent.parent)
         except MilesUserError as e:
             found = e
         found = dp.broadcast_object(found)
@@ -372,37 +384,70 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             step_start = time.perf_counter()
             if busy is not None:
                 busy[1].start()
-            params.seed = cfg.rollout.seed * 1_000_003 + step
-            t = time.perf_counter()
-            batch = [replace(p, group_id=i) for i, p in enumerate(loader.next_batch())]
-            if score_early:  # each sample's graders start while the others still generate
-                samples = engine.generate(
-                    dp.shard(batch), params, on_finish=lambda s: rewards.score_early([s])
-                )
-            else:
-                samples = generate(dp.shard(batch), params)  # this rank's groups, whole
-            # Measured on this rank's share of the step; combined over the ranks at the end of the step.
-            own: dict[str, float] = {"time/rollout": time.perf_counter() - t}
+            own: dict[str, float] = {"time/rollout": 0.0, "time/reward": 0.0}
+            samples, everyone, kept, reward_rounds = [], [], [], []
+            step_seed, batches = cfg.rollout.seed * 1_000_003 + step, 0
+            while True:  # one batch of prompts; more only while a group filter has kept too few groups
+                # The first batch draws as a run without a filter does; the next ones draw other numbers (a
+                # prompt may come round again).
+                params.seed = step_seed if batches == 0 else step_seed * 1_000_033 + batches
+                first_group = batches * cfg.rollout.rollout_batch_size  # group ids stay unique in the step
+                t = time.perf_counter()
+                batch = [replace(p, group_id=first_group + i) for i, p in enumerate(loader.next_batch())]
+                if score_early:  # each sample's graders start while the others still generate
+                    drawn = engine.generate(
+                        dp.shard(batch), params, on_finish=lambda s: rewards.score_early([s])
+                    )
+                else:
+                    drawn = generate(dp.shard(batch), params)  # this rank's groups, whole
+                # Measured on this rank's share of the step; combined over the ranks at the end of the step.
+                own["time/rollout"] += time.perf_counter() - t
+                t = time.perf_counter()
+                reward_rounds.append((rewards.score(drawn), float(len(drawn))))
+                own["time/reward"] += time.perf_counter() - t
+                drawn_everyone, _ = gather_samples(dp, drawn)  # batch-wide: every rank's samples
+                samples += drawn
+                everyone += drawn_everyone
+                batches += 1
+                if group_filter is None:
+                    break
+                kept += kept_groups(drawn_everyone, group_filter)
+                if len(kept) >= cfg.rollout.rollout_batch_size or batches >= cfg.algorithm.filter_max_batches:
+                    break
             own.update(engine.metrics())
             if multiturn is not None:
                 own.update(multiturn.metrics())
-
-            t = time.perf_counter()
-            own.update(rewards.score(samples))
-            own["time/reward"] = time.perf_counter() - t
-            # Batch-wide: over every rank's samples.
-            everyone, offset = gather_samples(dp, samples)
+            own.update(combine_round_metrics(reward_rounds))
             metrics: dict[str, float] = rollout_metrics(everyone, cfg.rollout.max_new_tokens)
+            train_everyone, train_own = everyone, samples
+            if group_filter is not None:
+                metrics.update(filter_metrics(everyone, kept, batches, cfg.rollout.rollout_batch_size))
+                if len(kept) < cfg.rollout.rollout_batch_size and not warned_short:
+                    log.warning(
+                        "step %d: algorithm.group_filter kept %d of the %d groups a step trains on in "
+                        "%d batches (algorithm.filter_max_batches); the step trains on those (see "
+                        "rollout/filter_kept_groups; warned once)",
+                        step,
+                        len(kept),
+                        cfg.rollout.rollout_batch_size,
+                        batches,
+                    )
+                    warned_short = True
+                chosen = set(kept[: cfg.rollout.rollout_batch_size])
+                train_everyone = [s for s in everyone if s.group_id in chosen]
+                train_own = [s for s in samples if s.group_id in chosen]
             # An aborted request (engine error, failed generate plugin) has no response: it costs its sample,
             # never the step, and stays out of its group's advantages (its reward 0 would lift the others').
-            usable = [i for i, s in enumerate(everyone) if _trainable(s)]
-            metrics.update(compute_advantages([everyone[i] for i in usable], cfg.algorithm))
-            for i, sample in enumerate(samples):
-                sample.advantage = everyone[offset + i].advantage
-            trainable = [s for s in samples if _trainable(s)]
+            usable = [s for s in train_everyone if trainable(s)]
+            metrics.update(compute_advantages(usable, cfg.algorithm))
+            if dp.enabled:  # the batch-wide samples are copies: their advantages go to this rank's own
+                advantages = {(s.group_id, s.index): s.advantage for s in usable}
+                for sample in train_own:
+                    sample.advantage = advantages.get((sample.group_id, sample.index), 0.0)
+            trainable_samples = [s for s in train_own if trainable(s)]
 
             t = time.perf_counter()
-            metrics["train/dropped_samples"] = float(len(everyone) - len(usable))
+            metrics["train/dropped_samples"] = float(len(train_everyone) - len(usable))
             releasing = release_kv and bool(usable)
             if releasing:
                 engine.release_memory()
@@ -411,7 +456,15 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 if head is not None:  # from the hidden states of the policy that drew the samples
                     _train_draft(draft_trainer, engine, samples, metrics, own)
                 if usable:
-                    metrics.update(trainer.train_step(trainable))  # every rank steps, with or without samples
+                    metrics.update(
+                        trainer.train_step(trainable_samples)
+                    )  # every rank steps, with or without samples
+                elif group_filter is not None and not kept:
+                    log.warning(
+                        "step %d: algorithm.group_filter kept no group in %d batches; skipping the update",
+                        step,
+                        batches,
+                    )
                 else:
                     log.warning("step %d: no sample has a response; skipping the update", step)
                 if draft_trainer is not None and head is None:
@@ -510,10 +563,6 @@ def resume_draft(folder: Path, state: RunState, draft_trainer: Any) -> None:
         return
     draft_trainer.load_weights(folder)
     draft_trainer.load_state_dict(state.draft)
-
-
-def _trainable(sample: Sample) -> bool:
-    return bool(sample.response_ids) and sample.status != SampleStatus.ABORTED
 
 
 def _continued_wandb_run(checkpoint: Path, state: RunState) -> str | None:

@@ -27,6 +27,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
 def check_supported(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
     from miles import distributed
+    from miles.group_filter import load_group_filter
     from miles.trainer.backends import check_backend
 
     check_backend(config.trainer.backend)
@@ -39,6 +40,11 @@ def check_supported(config: MilesConfig) -> None:
         raise MilesUserError(
             f"placement.num_processes must be at least 1, got {config.placement.num_processes}"
         )
+    if config.algorithm.filter_max_batches < 1:
+        raise MilesUserError(
+            f"algorithm.filter_max_batches must be at least 1, got {config.algorithm.filter_max_batches}"
+        )
+    load_group_filter(config.algorithm.group_filter)  # a bad spec fails here, before any model loads
     tp = config.trainer.tensor_parallel_size
     if tp != 1:
         if tp < 1 or config.trainer.backend != "megatron":
@@ -57,10 +63,41 @@ def check_supported(config: MilesConfig) -> None:
             )
 
 
+def check_algorithm(config: MilesConfig) -> None:
+    """Settings the loop reads only once a step has been generated fail at start instead (a typo in
+    algorithm.advantage would otherwise surface after the models loaded and the first rollout ran)."""
+    from miles.trainer.algorithms import get_advantage, get_policy_loss
+
+    algorithm, rollout = config.algorithm, config.rollout
+    sft = algorithm.name == "sft" or algorithm.policy_loss == "sft"
+    lookups = [("policy_loss", algorithm.policy_loss, get_policy_loss)]
+    if not sft:
+        lookups.append(("advantage", algorithm.advantage, get_advantage))
+    for key, name, lookup in lookups:
+        try:
+            lookup(name)
+        except (KeyError, ValueError, ImportError, AttributeError, TypeError) as e:
+            raise MilesUserError(f"algorithm.{key}={name}: {e.args[0] if e.args else e}") from e
+    if sft:
+        return
+    for key, value in (
+        ("rollout_batch_size", rollout.rollout_batch_size),
+        ("n_samples_per_prompt", rollout.n_samples_per_prompt),
+    ):
+        if value < 1:
+            raise MilesUserError(f"rollout.{key} must be at least 1, got {value}")
+    if config.trainer.routing_replay and not rollout.record_routing:
+        raise MilesUserError(
+            "trainer.routing_replay replays the experts the engine chose at rollout: set "
+            "rollout.record_routing=true too"
+        )
+
+
 def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) -> dict[str, float]:
     from miles import distributed
 
     check_supported(config)
+    check_algorithm(config)
     resolved_yaml = resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(config))
     if distributed.needs_launch(config.placement.num_processes):
         distributed.check_devices(config.placement.num_processes, config.model.device)
