@@ -43,7 +43,25 @@ def main(argv: list[str]) -> int:
         default=None,
         help="return a chat reply's <think> block as reasoning_content (default: left in the content)",
     )
+    parser.add_argument(
+        "--max-samples-per-request",
+        type=int,
+        default=None,
+        help="a request asking for more samples (prompts x n) gets a 400 (default 1024)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="connections open at once; past it a new one gets a 503 (default 256)",
+    )
     args = parser.parse_args(argv)
+    # Unset: the server's defaults (rollout/server.py, not imported before the model loads: torch is slow).
+    given = {"max_samples_per_request": args.max_samples_per_request, "max_connections": args.max_connections}
+    limits = {name: value for name, value in given.items() if value is not None}
+    for name, value in limits.items():
+        if value < 1:
+            raise MilesUserError(f"--{name.replace('_', '-')} {value}: give an integer >= 1")
     if not 0 < args.request_timeout_s <= math.inf:  # NaN fails too; checked before the model loads
         raise MilesUserError(
             f"--request-timeout-s {args.request_timeout_s}: give a number of seconds > 0 (inf: no limit)"
@@ -80,6 +98,7 @@ def main(argv: list[str]) -> int:
             api_key,
             args.request_timeout_s,
             args.reasoning_parser,
+            **limits,
         )
     except OSError as err:
         raise MilesUserError(

@@ -91,6 +91,12 @@ CLIENT_IO_TIMEOUT_S = 60.0
 """A connection's socket reads and writes give up after this long: a client that sends a request slowly or
 only in part (a Content-Length longer than its body), or stops reading a stream, would otherwise hold a server
 thread (and a stream's generation) for ever. Idle keep-alive connections close after it too."""
+MAX_SAMPLES_PER_REQUEST = 1024
+"""Default cap on a request's samples (its prompts × `n`; `miles serve --max-samples-per-request`): one
+request may otherwise queue more generation than the server runs in hours, ahead of everyone else's."""
+MAX_CONNECTIONS = 256
+"""Default cap on open connections (`miles serve --max-connections`), each holding a thread; past it a new
+connection gets a 503 at once and is closed."""
 _NO_OPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((False,), "'echo' is not supported"),
     "suffix": (("",), "'suffix' is not supported (no insertion; send it empty or not at all)"),
@@ -181,12 +187,22 @@ class EngineServer:
         api_key: str | None = None,
         request_timeout_s: float | None = 3600.0,
         reasoning_parser: str | None = None,
+        max_samples_per_request: int = MAX_SAMPLES_PER_REQUEST,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         """`reasoning_parser`: "qwen3" (or "deepseek_r1", the same `<think>` tags) splits chat replies'
         thinking off as `reasoning_content` (reasoning.py); None leaves it in the content.
-        `request_timeout_s`: > 0 seconds; inf or None: no limit."""
+        `request_timeout_s`: > 0 seconds; inf or None: no limit. `max_samples_per_request`: a request whose
+        prompts × `n` is larger gets a 400; `max_connections`: connections open at once (a 503 past it)."""
         if reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; use one of {REASONING_PARSERS}")
+        for name, value in (
+            ("max_samples_per_request", max_samples_per_request),
+            ("max_connections", max_connections),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_samples_per_request = max_samples_per_request
         self.request_timeout_s = request_timeout(request_timeout_s)  # checked before the socket is bound
         self.reasoning = reasoning_parser is not None
         self.engine, self.formatter, self.model_name = engine, formatter, model_name
@@ -202,9 +218,8 @@ class EngineServer:
         """Whether the formatter's chat template renders tools in the `<tool_call>` format (probed once)."""
         self._token_bytes: TokenBytes | None = None
         """Each token's bytes, for logprobs (built once, on the engine's thread)."""
-        server_class = _HTTPServer6 if ":" in host else ThreadingHTTPServer  # an IPv6 address (::1, ::)
-        self.httpd = server_class((host, port), _handler_for(self))
-        self.httpd.daemon_threads = True
+        server_class = _HTTPServer6 if ":" in host else _HTTPServer  # an IPv6 address (::1, ::)
+        self.httpd = server_class((host, port), _handler_for(self), max_connections)
 
     @property
     def url(self) -> str:
@@ -417,6 +432,7 @@ class EngineServer:
         if body.get("tools") not in (None, []):
             raise RequestError(HTTPStatus.BAD_REQUEST, "'tools' are for /v1/chat/completions")
         prompt = body.get("prompt")
+        self._check_sample_count(body, len(prompt) if _many_prompts(prompt) else 1)  # before tokenizing
         prompts = self.on_engine(lambda: self._prompt_ids(prompt))
         if body.get("stream"):
             return self._stream(prompts, body, 16, "text_completion", "cmpl")
@@ -448,6 +464,7 @@ class EngineServer:
                 HTTPStatus.BAD_REQUEST, "this model has no tokenizer: use /v1/completions with ids"
             )
         messages, tools, choice = self._tools(body, messages)
+        self._check_sample_count(body, 1)
         prompts = [self._chat_prompt(messages, tools)]
         thinking = self.on_engine(lambda: self._opens_thinking(prompts[0]))
         if choice.opening:
@@ -616,9 +633,20 @@ class EngineServer:
                 "'prompt' must be a string, a list of strings, or token ids (list of ints)",
             )
 
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if _many_prompts(prompt):
             return [ids_of(p) for p in prompt]
         return [ids_of(prompt)]
+
+    def _check_sample_count(self, body: dict[str, Any], prompts: int) -> None:
+        """A 400 for a request asking for more than `max_samples_per_request` samples (prompts × `n`)."""
+        n = _given(body, "n", 1)
+        if isinstance(n, int) and not isinstance(n, bool) and prompts * n > self.max_samples_per_request:
+            raise RequestError(
+                HTTPStatus.BAD_REQUEST,
+                f"{prompts} prompt(s) x n={n} asks for {prompts * n} samples; this server takes at most "
+                f"{self.max_samples_per_request} a request (miles serve --max-samples-per-request): "
+                "split the request",
+            )
 
     def _generate(
         self,
@@ -958,6 +986,11 @@ def _alternatives_asked(body: dict[str, Any]) -> int:
     return logprobs
 
 
+def _many_prompts(prompt: Any) -> bool:
+    """Whether a completions `prompt` is a list of prompts (strings or id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str | list) for p in prompt)
+
+
 def _given(body: dict[str, Any], key: str, default: Any) -> Any:
     """`body[key]`, or `default` where it is absent or null (OpenAI's fields are nullable)."""
     value = body.get(key)
@@ -996,7 +1029,61 @@ def _message(m: Any) -> dict[str, Any]:
     return out
 
 
-class _HTTPServer6(ThreadingHTTPServer):
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once: past it a connection gets a 503 and is
+    closed at once (without the cap every connection, idle ones too, holds a thread until its timeout)."""
+
+    daemon_threads = True
+
+    def __init__(
+        self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int
+    ) -> None:
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _refuse_busy(request, self.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _refuse_busy(sock: socket.socket, limit: int) -> None:
+    """A 503 on a connection past the cap, sent from the accepting thread (a few hundred bytes into a new
+    socket's empty buffer: it does not block, and a client that never reads cannot hold the accept loop)."""
+    data = _json(
+        {
+            "error": {
+                "message": f"server busy: {limit} connections open (miles serve --max-connections); retry later",
+                "type": "server_busy",
+                "code": int(HTTPStatus.SERVICE_UNAVAILABLE),
+            }
+        }
+    )
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        "Retry-After: 1\r\nConnection: close\r\n\r\n"
+    )
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(head.encode() + data)
+    except OSError:
+        pass  # it left already
+
+
+class _HTTPServer6(_HTTPServer):
     """The HTTP server on an IPv6 socket (`--host ::1`): socketserver's default family is IPv4 only."""
 
     address_family = socket.AF_INET6

@@ -828,3 +828,54 @@ def test_a_failed_bind_names_what_to_change() -> None:
     assert "--port" in _listen_hint(OSError(errno.EADDRINUSE, "Address already in use"))
     assert "--host" in _listen_hint(socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
     assert "--host" in _listen_hint(OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"))
+
+
+def test_a_request_for_more_samples_than_the_cap_is_a_400_before_anything_runs(loaded: Any) -> None:
+    """prompts × n past `max_samples_per_request` is refused before tokenizing or queueing; at the cap it
+    runs."""
+    server = scripted_server(loaded.tokenizer, "7 ", max_samples_per_request=4)
+    try:
+        for path, body in (
+            ("/v1/completions", {"prompt": ["1", "2", "3"], "n": 2, "max_tokens": 1}),
+            ("/v1/completions", {"prompt": "1", "n": 5, "max_tokens": 1}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}], "n": 5}),
+        ):
+            status, reply = call(server, path, body)
+            assert status == 400 and "--max-samples-per-request" in reply["error"]["message"], reply
+        assert server.engine.aborted == 0 and not server.engine.has_unfinished
+        status, reply = call(server, "/v1/completions", {"prompt": ["1", "2"], "n": 2, "max_tokens": 1})
+        assert status == 200 and len(reply["choices"]) == 4
+        with pytest.raises(ValueError, match="max_samples_per_request"):
+            EngineServer(server.engine, server.formatter, "tiny", port=0, max_samples_per_request=0)
+    finally:
+        server.shutdown()
+
+
+def test_connections_past_the_cap_get_a_503_and_a_freed_slot_is_reused(loaded: Any) -> None:
+    """With `max_connections` connections open (idle), the next gets a 503 at once and is closed; once one
+    closes, new connections are served again."""
+    import socket
+
+    server = scripted_server(loaded.tokenizer, "7 ", max_connections=2)
+    try:
+        host, port = server.httpd.server_address[:2]
+        held = [socket.create_connection((host, port), timeout=10) for _ in range(2)]
+        time.sleep(0.3)  # both accepted, each holding a thread that waits for its request line
+        with socket.create_connection((host, port), timeout=10) as extra:
+            extra.sendall(raw_request(server, "/v1/completions", {"prompt": "1", "max_tokens": 1}))
+            reply = b""
+            while chunk := extra.recv(4096):  # the server closes it after the 503
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head, reply
+        assert "--max-connections" in json.loads(body)["error"]["message"]
+        assert server.engine.aborted == 0 and not server.engine.has_unfinished  # nothing was queued
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while (answer := call(server, "/health")) != (200, {"status": "ok"}) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the closed connection's thread has seen the hang-up
+        assert answer == (200, {"status": "ok"})
+        for sock in held:
+            sock.close()
+    finally:
+        server.shutdown()
