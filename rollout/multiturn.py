@@ -58,6 +58,8 @@ class Trajectory:
     """The last model turn's (TRUNCATED when it hit its length cap)."""
     turns: int = 0
     weight_version: int = 0
+    error: str | None = None
+    """Why the last model turn was aborted (its `metadata["error"]`, e.g. a prompt past the context)."""
 
     @property
     def ids(self) -> list[int]:
@@ -70,6 +72,7 @@ class Trajectory:
         self.rollout_logprobs += turn.rollout_logprobs
         self.loss_mask += [1] * len(turn.response_ids)
         self.status, self.weight_version = turn.status, turn.weight_version
+        self.error = turn.metadata.get("error") if turn.status == SampleStatus.ABORTED else None
         self.turns += 1
 
     def add_tokens(self, ids: list[int]) -> None:
@@ -88,7 +91,11 @@ class Trajectory:
             loss_mask=list(self.loss_mask),
             status=self.status,
             weight_version=self.weight_version,
-            metadata={**self.prompt.metadata, "turns": self.turns},
+            metadata={
+                **self.prompt.metadata,
+                "turns": self.turns,
+                **({"error": self.error} if self.error is not None else {}),
+            },
         )
 
 

@@ -10,6 +10,12 @@ if TYPE_CHECKING:
     from miles.config import RolloutConfig
 
 
+MIN_TEMPERATURE = 1e-30
+"""The smallest positive temperature accepted (0 is greedy). Below it the sampler's float32 logits / T can
+overflow (at 1e-38, a logit of 3.4 does): inf - inf is NaN, and the row drew a wrong token with a NaN logprob.
+Above it any logit under 3e8 in magnitude stays finite, and a temperature of 1e-9 samples the argmax."""
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -41,6 +47,11 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {self.temperature} is below {MIN_TEMPERATURE:g}, where the sampler's float32 "
+                "logits / temperature can overflow; use 0 for greedy decoding"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

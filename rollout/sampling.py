@@ -1,9 +1,12 @@
 """Sampling in torch with the exact logprob of each sampled token.
 
 Distribution (the order of transformers' logits warpers): logits / temperature, then top-k (the k most
-likely tokens), then top-p on the renormalised top-k distribution (the smallest set of most likely tokens
-whose mass reaches top_p), then min-p (tokens at least min_p times the most likely one; relative, so its
-place in the order does not matter). The returned logprob is log q(token) where q is that filtered,
+likely tokens, and every token tied with the k-th, as transformers and vLLM keep them), then top-p on the
+renormalised top-k distribution (the smallest set of most likely tokens whose mass reaches top_p, with a tie
+at its boundary kept whole), then min-p (tokens at least min_p times the most likely one after temperature).
+min-p is relative, so it commutes with top-k; it does not commute with top-p: vLLM applies it before top-k /
+top-p, where the nucleus is then taken over the min-p-renormalised mass and can be smaller. Tokens with equal
+logits are always equally likely. The returned logprob is log q(token) where q is that filtered,
 renormalised distribution: the one the token was actually drawn from.
 
 Greedy (temperature 0) returns the argmax. Nothing is drawn, so there is no sampling distribution; by
@@ -12,9 +15,11 @@ which is what a trainer scoring the same token at temperature 1 recomputes.
 
 Randomness: one uniform number per (request seed, response position), made on the host by a counter-based
 hash (splitmix64), so a request's draws do not depend on the batch it runs in, on preemption, or on the
-device. The token is drawn by inverse CDF over the (sorted, when filtered) probabilities, accumulated in
-float64 so that even very unlikely tokens keep their probability. Unfiltered rows skip the normalisation:
-they draw over the weights exp(logits / temperature - max), whose float64 total scales the uniform number.
+device, nor on what the other rows of a step ask for. The token is drawn by inverse CDF, in vocabulary order
+and accumulated in float64 so that even very unlikely tokens keep their probability, over the weights
+exp(logits / temperature - max) (no normalisation: their float64 total scales the uniform number), those of
+the tokens a filter drops set to 0; so a row without filters draws the same token whether or not other rows
+of its step filter.
 """
 
 from __future__ import annotations
@@ -146,6 +151,37 @@ class SamplingTensors:
         )
 
 
+def _filter_sorted(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scaled logits in descending order [B, V], their token ids [B, V], which of them the filters drop).
+
+    Tokens with equal logits are kept or dropped together, so that they stay equally likely whatever their
+    ids: top-k keeps every token at least as likely as the k-th (transformers' `TopKLogitsWarper`, vLLM);
+    top-p keeps the smallest run of most likely tokens whose mass reaches top_p and every token tied with
+    its last one (as FlashInfer's top-p sampling does; a plain cumulative sum keeps the tied tokens that the
+    sort happens to put first). top_p = 1 drops nothing (a running sum can round up to 1 before the last
+    tokens)."""
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    kth = sorted_logits.gather(-1, (top_k - 1).clamp(0, vocab - 1)[:, None])
+    dropped = sorted_logits < kth
+    # Masses of the weights the draw uses, exp(scaled - max) (so p / max p), summed in float64: a float32
+    # softmax and running sum over a large vocabulary are off by ~1e-5 of the mass, and the nucleus would
+    # hold less than top_p.
+    weights = (sorted_logits - sorted_logits[:, :1]).exp().masked_fill(dropped, 0.0)
+    cumulative = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    mass_before = F.pad(cumulative[:, :-1], (1, 0)).div_(cumulative[:, -1:])
+    del cumulative
+    beyond = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    del mass_before
+    last = ((~beyond).sum(dim=-1, keepdim=True) - 1).clamp(min=0)  # the plain rule's last kept token
+    dropped = dropped | (beyond & (sorted_logits < sorted_logits.gather(-1, last)))
+    dropped = dropped | (weights < min_p[:, None])
+    dropped[:, 0] = False  # the most likely token always survives
+    return sorted_logits, sorted_ids, dropped
+
+
 def filtered_logprobs(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -157,17 +193,16 @@ def filtered_logprobs(
 
     Dropped tokens have log q = -inf. `temperature` must be > 0 on every row.
     """
-    scaled = logits / temperature[:, None]
-    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True)
-    rank = torch.arange(scaled.shape[-1], device=scaled.device)
-    dropped = rank[None, :] >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    dropped = dropped | (mass_before >= top_p[:, None])
-    dropped[:, 0] = False  # the most likely token always survives (top_p > 0)
-    dropped = dropped | (probs < min_p[:, None] * probs[:, :1])
+    sorted_logits, sorted_ids, dropped = _filter_sorted(logits / temperature[:, None], top_k, top_p, min_p)
     return torch.log_softmax(sorted_logits.masked_fill(dropped, float("-inf")), dim=-1), sorted_ids
+
+
+def kept_tokens(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """[B, V] bool in vocabulary order: the tokens the filters keep (all of them on a row without filters)."""
+    _, sorted_ids, dropped = _filter_sorted(scaled, top_k, top_p, min_p)
+    return torch.empty_like(dropped).scatter_(-1, sorted_ids, ~dropped)
 
 
 _CDF_BLOCK = 1024
@@ -296,18 +331,19 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> tuple[torch.Tensor,
         tokens, logprobs = _sample_from_block_masses(logits, temperature, params.uniform)
     else:
         logits = logits.float()
+        scaled = logits if params.unit_temperature else logits / temperature[:, None]
+        # No softmax over the vocabulary: the draw scales with the total of the weights exp(scaled - max),
+        # and log q(token) = (scaled - max)[token] - log(total).
+        top = scaled.amax(dim=-1, keepdim=True)
+        weights = (scaled - top).exp_()
         if params.any_filter:
-            logq, ids = filtered_logprobs(logits, temperature, params.top_k, params.top_p, params.min_p)
-            idx, _ = _inverse_cdf(torch.exp(logq), params.uniform)
-            tokens = ids.gather(-1, idx[:, None]).squeeze(-1)
-            logprobs = logq.gather(-1, idx[:, None]).squeeze(-1)
-        else:
-            scaled = logits if params.unit_temperature else logits / temperature[:, None]
-            # No softmax over the vocabulary: the draw scales with the total of the weights exp(scaled - max),
-            # and log q(token) = (scaled - max)[token] - log(total).
-            top = scaled.amax(dim=-1, keepdim=True)
-            tokens, total = _inverse_cdf((scaled - top).exp_(), params.uniform)
-            logprobs = ((scaled.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log()).float()
+            # The kept tokens' weights, in vocabulary order as for unfiltered rows (the most likely token is
+            # always kept, so `top` is the kept maximum): a row without filters draws the very token, with
+            # the very logprob, it draws in a step where no row filters.
+            keep = kept_tokens(scaled, params.top_k, params.top_p, params.min_p)
+            weights = weights.masked_fill_(~keep, 0.0)
+        tokens, total = _inverse_cdf(weights, params.uniform)
+        logprobs = ((scaled.gather(-1, tokens[:, None]) - top).squeeze(-1) - total.log()).float()
     if params.any_greedy:  # rows of temperature 0 take the argmax and its temperature-1 logprob
         logits = logits.float()  # a no-op where the branch above already converted
         greedy = params.temperature == 0.0

@@ -29,7 +29,9 @@ code belongs in the code-reward sandbox (rewards/sandbox.py), not here.
 The environment's tokens are what the template adds between the conversation with the assistant's turn
 and the conversation with the tool turns (and the next generation prompt): the template's rendering of the
 assistant's turn itself is not used, the model's own tokens stay, so the trained tokens are exactly the
-sampled ones. `metadata["tool_calls"]` counts the calls made, `metadata["tool_errors"]` those that failed.
+sampled ones. Where a template renders the assistant's turn differently once tool turns follow it (Qwen3's
+gives a last turn without reasoning an empty thinking block, and drops it then), the environment's tokens are
+what follows the turn's end-of-turn token (its last token's text) in the conversation with the tool turns. `metadata["tool_calls"]` counts the calls made, `metadata["tool_errors"]` those that failed.
 Tool answers that leave no room in the context (`client.max_context`) for another model token end the
 trajectory as TRUNCATED, without them: the model's turns so far still train.
 """
@@ -84,7 +86,8 @@ def tool_agent(
                 conversation, tools=schemas, tokenize=False, add_generation_prompt=generation_prompt
             )
 
-        prompt = replace(sample, prompt_ids=client.encode(render(messages, True)))
+        rendered = render(messages, True)  # the conversation as the template renders it, to the next turn
+        prompt = replace(sample, prompt_ids=client.encode(rendered))
         traj, calls, errors = Trajectory(prompt), 0, 0
         for _ in range(max_turns):
             turn = await client.generate(traj.ids, params)
@@ -110,9 +113,12 @@ def tool_agent(
                 {"role": "tool", "name": c.name, "content": a} for c, (a, _) in zip(reply.calls, answers)
             ]
             after = render(messages, True)
-            if not after.startswith(before):
-                raise ValueError("the chat template renders an earlier turn differently once tools answered")
-            answer_ids = client.encode(after[len(before) :])
+            if after.startswith(before):
+                environment = after[len(before) :]
+            else:
+                environment = _after_turn(after, rendered, tokenizer.decode(turn.response_ids[-1:]))
+            rendered = after
+            answer_ids = client.encode(environment)
             if len(traj.ids) + len(answer_ids) + 1 > client.max_context:
                 # No room for another model token: the engine would refuse the next turn and that refusal
                 # (ABORTED) would drop the whole trajectory from training. It ends here as a length cut,
@@ -126,6 +132,18 @@ def tool_agent(
         return out
 
     return generate
+
+
+def _after_turn(after: str, prompt: str, end_of_turn: str) -> str:
+    """The text the template puts after the model's turn in `after` (the conversation with the tool turns),
+    found where the model's turn ends: at the first `end_of_turn` (the text of the turn's last token, its
+    end-of-turn token) past `prompt`, the conversation before the turn. For templates that render the last
+    assistant turn differently from one that tool turns follow: Qwen3's adds an empty thinking block to a
+    last turn without reasoning, and leaves it out once tools answered."""
+    at = after.find(end_of_turn, len(prompt)) if end_of_turn.strip() and after.startswith(prompt) else -1
+    if at < 0:
+        raise ValueError("the chat template renders an earlier turn differently once tools answered")
+    return after[at + len(end_of_turn) :]
 
 
 async def _run(tools: dict[str, Callable[..., Any]], call: ToolCall, timeout_s: float) -> tuple[str, bool]:

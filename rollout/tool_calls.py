@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
+_JSON = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, which `json.loads` allows around a value
 _PROBE = "miles_probe_tool"
 
 
@@ -170,25 +171,41 @@ def template_renders_tools(tokenizer: Any) -> bool:
 
 
 def parse_reply(text: str) -> ParsedReply:
-    """The calls in a reply and the text around them (the module's docstring)."""
-    calls, pieces, last = [], [], 0
-    for match in _BLOCK.finditer(text):
-        call = _call_of(match.group(1))
-        if call is None:
+    """The calls in a reply and the text around them (the module's docstring).
+
+    A call is `<tool_call>`, one JSON value, then `</tool_call>` (whitespace allowed around the value). The
+    value is read as JSON, not up to the next `</tool_call>`, so a closing tag inside one of its strings does
+    not cut it short; and an opening that starts no call (a stray or unclosed `<tool_call>`) is text, so a
+    well-formed call after it is still found."""
+    calls, pieces, last, at = [], [], 0, 0
+    while (start := text.find(CALL_START, at)) >= 0:
+        at = start + len(CALL_START)
+        found = _block_at(text, at)
+        if found is None:
             continue  # left in the text
-        pieces.append(text[last : match.start()])
+        call, end = found
+        pieces.append(text[last:start])
         calls.append(call)
-        last = match.end()
+        last = at = end
     pieces.append(text[last:])
     content = "\n".join(p.strip() for p in pieces if p.strip())
     return ParsedReply(content or None, calls)
 
 
-def _call_of(body: str) -> ToolCall | None:
+def _block_at(text: str, body: int) -> tuple[ToolCall, int] | None:
+    """(the call whose body starts at `body`, where its `</tool_call>` ends), or None if none starts there."""
     try:
-        value = json.loads(body)
+        value, end = _JSON.raw_decode(text, _SPACE.match(text, body).end())
     except json.JSONDecodeError:
         return None
+    end = _SPACE.match(text, end).end()
+    if not text.startswith(CALL_END, end):
+        return None
+    call = _call_of(value)
+    return None if call is None else (call, end + len(CALL_END))
+
+
+def _call_of(value: Any) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))

@@ -299,3 +299,29 @@ def test_concurrent_branches_are_reproducible_whatever_order_they_finish_in() ->
     ]
     assert [s.response_ids for s in runs[0]] == [s.response_ids for s in runs[1]]
     assert runs[0][0].response_ids != runs[0][1].response_ids  # two branches from one context
+
+
+def test_a_trajectory_whose_turn_the_engine_refused_keeps_the_reason() -> None:
+    """An aborted sample says why in `metadata["error"]` (Sample's contract): a turn whose prompt the
+    environment pushed past the context is aborted by the engine, and the trajectory carries its error."""
+    engine = Engine(tiny_model(False, seed=1), None, config())
+
+    async def overflowing(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        traj = Trajectory(sample)
+        traj.add_turn(await client.generate(traj.ids, params.with_(max_new_tokens=3)))
+        traj.add_tokens([7] * client.max_context)
+        traj.add_turn(await client.generate(traj.ids, params.with_(max_new_tokens=3)))
+        return traj.to_sample()
+
+    out = MultiTurnRollout(engine, overflowing).generate(PROMPTS[:1], PARAMS.with_(n=1))[0]
+    assert out.status == SampleStatus.ABORTED and "context" in out.metadata["error"]
+    assert len(out.loss_mask) == len(out.response_ids) == len(out.rollout_logprobs) == 3 + engine.max_context
+    # A later turn that goes through clears it: the status and the error are the last turn's.
+    traj = Trajectory(PROMPTS[0])
+    traj.add_turn(Sample(prompt_ids=[1], status=SampleStatus.ABORTED, metadata={"error": "x"}))
+    traj.add_turn(
+        Sample(prompt_ids=[1], response_ids=[4], rollout_logprobs=[-1.0], status=SampleStatus.COMPLETED)
+    )
+    assert "error" not in traj.to_sample().metadata and traj.to_sample().status == SampleStatus.COMPLETED
+    assert not engine.has_unfinished
+    assert_pool_clean(engine)

@@ -144,6 +144,10 @@ def test_sampling_params_validation() -> None:
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    # A tiny positive temperature overflows logits / T in float32: once a wrong token with a NaN logprob.
+    with pytest.raises(ValueError, match="use 0 for greedy"):
+        SamplingParams(temperature=1e-39)
+    assert SamplingParams(temperature=1e-9).temperature == 1e-9  # near-greedy still samples
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
     assert SamplingParams(top_k=0).top_k == -1
@@ -184,7 +188,9 @@ def test_a_draw_at_the_top_of_the_cdf_takes_the_last_token_with_mass(top_k: int)
         torch.device("cpu"),
     )
     tokens, logprobs = sample(logits, st)
-    expected = 1499 if top_k < 0 else logits.argsort(dim=-1, descending=True)[:, top_k - 1]
+    # The draw runs in vocabulary order (filtered tokens weigh 0): the last token with mass is the highest id
+    # the filter keeps.
+    expected = 1499 if top_k < 0 else logits.argsort(dim=-1, descending=True)[:, :top_k].amax(dim=-1)
     assert (tokens == expected).all() and torch.isfinite(logprobs).all()
 
 
@@ -228,3 +234,31 @@ def test_draw_from_block_masses_matches_the_full_weights(temperature: float) -> 
     tokens, logprobs = _sample_from_block_masses(logits, params.temperature, params.uniform)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_request_samples_alike_beside_requests_that_filter(deterministic: bool) -> None:
+    """A request without top-k / top-p / min-p returns the same tokens and logprobs on its own and in steps
+    where another request filters (the filtered path once drew every row of such a step over its sorted
+    probabilities, so the same uniform number picked another token)."""
+    from rollout_helpers import rollout_config, tiny_model
+
+    from miles.rollout import Engine
+    from miles.sample import Sample
+
+    model = tiny_model(False, seed=1)
+    cfg = rollout_config(dict(kv_cache_bytes=8 * 1024 * 1024, deterministic=deterministic), {})
+    plain = SamplingParams(temperature=0.9, max_new_tokens=10, seed=3, ignore_eos=True)
+    alone = Engine(model, None, cfg).generate([Sample(prompt_ids=[5, 6, 7, 8])], plain)[0]
+    for other in (plain.with_(top_k=5, seed=9), plain.with_(top_p=0.8, min_p=0.05, seed=9)):
+        engine = Engine(model, None, cfg)
+        rid = engine.add_request([5, 6, 7, 8], plain)
+        engine.add_request([9, 10, 11], other)
+        while engine.has_unfinished:
+            engine.step()
+        beside = engine.take_result(rid)
+        assert beside.response_ids == alone.response_ids
+        if deterministic:  # bit for bit (otherwise the batch's matmul shapes move the logits' last bits)
+            assert beside.rollout_logprobs == alone.rollout_logprobs
+        else:
+            assert beside.rollout_logprobs == pytest.approx(alone.rollout_logprobs, abs=1e-5)

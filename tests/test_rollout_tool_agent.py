@@ -126,6 +126,46 @@ def test_calls_run_and_their_answers_go_back_as_environment_tokens(tokenizer: An
     )
 
 
+# TOOL_TEMPLATE with Qwen3's rule for an assistant turn after the last user message: a thinking block
+# (split off its content at `</think>`) when it is the last message or has reasoning, so a last turn without
+# reasoning gets an empty block that it loses once tool turns follow it.
+QWEN3_LIKE_TEMPLATE = TOOL_TEMPLATE.replace(
+    "{%- elif message.tool_calls %}<|im_start|>assistant\n{{ message.content }}",
+    "{%- elif message.tool_calls %}{%- set content = message.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1]"
+    ".strip('\\n') %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "<|im_start|>assistant\n{% if loop.last or reasoning %}<think>\n{{ reasoning }}\n</think>\n\n{% endif %}"
+    "{{ content }}",
+)
+
+
+@pytest.mark.parametrize("thinking", ["<think>\nPlan.\n</think>\n\n", "<think>\n\n</think>\n\n", ""])
+def test_a_template_that_renders_the_last_turn_differently_still_gets_the_tool_turns(
+    tokenizer: Any, thinking: str
+) -> None:
+    """Qwen3's template renders a tool-calling turn without reasoning with an empty thinking block while it is
+    the last message, without one once the tool turns follow: the environment tokens are still what the
+    template puts after the model's turn (they once failed the sample: "renders an earlier turn
+    differently")."""
+    qwen3 = copy.deepcopy(tokenizer)
+    qwen3.chat_template = QWEN3_LIKE_TEMPLATE
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    replies = [thinking + call, "It is 18 C."]
+    client = ScriptedClient(qwen3, replies)
+    out = asyncio.run(tool_agent([get_weather])(client, Sample(prompt="Weather?"), SamplingParams()))
+    assert out.status == SampleStatus.COMPLETED and out.metadata["turns"] == 2
+    assert out.metadata["tool_calls"] == 1 and out.metadata["tool_errors"] == 0
+    trained = [t for t, m in zip(out.response_ids, out.loss_mask) if m]
+    assert trained == [t for r in replies for t in client.encode(r + "<|im_end|>")]
+    masked = qwen3.decode([t for t, m in zip(out.response_ids, out.loss_mask) if not m])
+    assert masked == (
+        "\n<|im_start|>user\n<tool_response>\n18 C in Paris\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        client.prompts[1] == out.prompt_ids + out.response_ids[: len(client.prompts[1]) - len(out.prompt_ids)]
+    )
+
+
 def test_turns_end_at_max_turns_and_a_slow_tool_times_out(tokenizer: Any) -> None:
     call = '<tool_call>\n{"name": "slow", "arguments": {"seconds": 1}}\n</tool_call>'
     client = ScriptedClient(tokenizer, [call, call, "never asked"])

@@ -104,12 +104,43 @@ def test_calls_and_the_text_around_them_are_parsed() -> None:
     assert parse_reply("").content is None
 
 
+EDGE_REPLIES = [
+    # A stray opening before a well-formed call: the opening is text, the call is a call.
+    'I will use <tool_call> now.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    # A closing tag (and an opening one) inside a JSON string does not end the call.
+    '<tool_call>\n{"name": "write", "arguments": {"text": "wrap it in </tool_call> or <tool_call>"}}\n'
+    "</tool_call> done",
+    # Nested braces (one inside a string) and non-ASCII text.
+    '<tool_call>{"name": "f", "arguments": {"a": {"b": [1, {"c": "}"}]}, "city": "Zürich 🙂"}}</tool_call>',
+    # Text between the JSON value and the closing tag: not a call.
+    '<tool_call>\n{"name": "f"} and more\n</tool_call>',
+]
+
+
+def test_calls_are_read_as_json_not_up_to_the_next_tag() -> None:
+    stray = parse_reply(EDGE_REPLIES[0])
+    assert [(c.name, c.arguments) for c in stray.calls] == [("f", {"a": 1})]
+    assert stray.content == "I will use <tool_call> now."
+    inside = parse_reply(EDGE_REPLIES[1])
+    assert [(c.name, c.arguments) for c in inside.calls] == [
+        ("write", {"text": "wrap it in </tool_call> or <tool_call>"})
+    ]
+    assert inside.content == "done"
+    nested = parse_reply(EDGE_REPLIES[2])
+    assert [(c.name, c.arguments) for c in nested.calls] == [
+        ("f", {"a": {"b": [1, {"c": "}"}]}, "city": "Zürich 🙂"})
+    ]
+    assert nested.content is None
+    trailing = parse_reply(EDGE_REPLIES[3])
+    assert not trailing.calls and trailing.content == EDGE_REPLIES[3]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_streamed_pieces_add_up_to_the_parsed_reply(seed: int) -> None:
     """However the text arrives, the content sent as it comes plus what `finish` adds is the parsed content,
     the calls are the parsed calls, and nothing of a call is sent before the end."""
     rng = random.Random(seed)
-    for text in REPLIES:
+    for text in [*REPLIES, *EDGE_REPLIES]:
         stream, sent, cuts = (
             ToolCallStream(),
             "",
