@@ -26,6 +26,8 @@ class PromptRow:
 
 
 def _synthetic_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
+    if cfg.difficulty not in ("easy", "medium"):
+        raise MilesUserError(f"data.difficulty={cfg.difficulty!r}: the synthetic math set is easy or medium")
     train, test = synthetic_math.splits(cfg.train_size, cfg.test_size, cfg.seed, cfg.difficulty)
     noise_rng = random.Random(cfg.seed + 7919)
 
@@ -166,20 +168,22 @@ def _reasoning_gym_rows(task: str, cfg: DataConfig) -> tuple[list[PromptRow], li
 
 
 def load_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
-    """(train rows, held-out rows) for the configured source."""
+    """(train rows, held-out rows) for the configured source; data.eval_path, when set, gives the held-out
+    rows whatever the source (e.g. training on synthetic math, evaluating on a file of real problems)."""
     source = "file" if cfg.path else cfg.source
     if source == "synthetic_math":
-        return _synthetic_rows(cfg)
-    if source.startswith("reasoning_gym:"):
-        return _reasoning_gym_rows(source.split(":", 1)[1], cfg)
-    if source == "file":
+        train, test = _synthetic_rows(cfg)
+    elif source.startswith("reasoning_gym:"):
+        train, test = _reasoning_gym_rows(source.split(":", 1)[1], cfg)
+    elif source == "file":
         if not cfg.path:
             raise MilesUserError("data.source=file needs data.path=<jsonl | parquet | saved dataset folder>")
-        train = [row_from_record(r, cfg) for r in _load_records(cfg.path)]
-        return train, load_eval_file_rows(cfg)
-    raise MilesUserError(
-        f"unknown data.source {source!r}; use synthetic_math, file (with data.path) or reasoning_gym:<task>"
-    )
+        train, test = [row_from_record(r, cfg) for r in _load_records(cfg.path)], []
+    else:
+        raise MilesUserError(
+            f"unknown data.source {source!r}; use synthetic_math, file (with data.path) or reasoning_gym:<task>"
+        )
+    return train, (load_eval_file_rows(cfg) if cfg.eval_path else test)
 
 
 def load_eval_file_rows(cfg: DataConfig) -> list[PromptRow]:
@@ -191,9 +195,8 @@ def load_eval_file_rows(cfg: DataConfig) -> list[PromptRow]:
 
 
 def load_eval_rows(cfg: DataConfig) -> list[PromptRow]:
-    """Only the held-out rows (`miles eval`): for file data, data.eval_path's, without reading data.path."""
-    source = "file" if cfg.path else cfg.source
-    if source == "file" and cfg.eval_path:
+    """Only the held-out rows (`miles eval`): data.eval_path's when set, without reading the training data."""
+    if cfg.eval_path:
         return load_eval_file_rows(cfg)
     return load_rows(cfg)[1]
 
@@ -215,7 +218,13 @@ class PromptFormatter:
         """`tools`: OpenAI-style tool definitions for the chat template (`miles serve`'s chat completions)."""
         if self.cfg.prompt_template is not None:
             content = prompt if isinstance(prompt, str) else "\n".join(str(m["content"]) for m in prompt)
-            return self.cfg.prompt_template.format(prompt=content)
+            try:
+                return self.cfg.prompt_template.format(prompt=content)
+            except (KeyError, IndexError, ValueError) as e:  # `{question}`, `{}`, a lone brace
+                raise MilesUserError(
+                    f"data.prompt_template={self.cfg.prompt_template!r} cannot be filled in ({type(e).__name__}: "
+                    f"{e}): it takes {{prompt}} only; write a literal brace as {{{{ or }}}}"
+                ) from e
         if self.use_chat_template:
             return self.tokenizer.apply_chat_template(
                 self.messages(prompt), tools=tools, tokenize=False, add_generation_prompt=True

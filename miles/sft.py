@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,6 +43,21 @@ def sft_samples(prompts: list[Sample], tokenizer: object, eos_id: int) -> list[S
             )
         )
     return out
+
+
+def sft_batches(count: int, batch: int, shuffle: bool, seed: int) -> Iterator[list[int]]:
+    """Endless batches of `batch` sample indices: pass after pass over the data, each pass shuffled when
+    `shuffle` (data.shuffle, as the RL loop's prompts); a batch may run on into the next pass."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        while len(order) < batch:
+            fresh = list(range(count))
+            if shuffle:
+                rng.shuffle(fresh)
+            order += fresh
+        yield order[:batch]
+        order = order[batch:]
 
 
 def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[str, float]:
@@ -80,8 +96,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
         policy, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps, dp=dp
     )
     tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, steps) if dp.is_main else None
-    rng = random.Random(cfg.data.seed)
-    order: list[int] = []
+    batches = sft_batches(len(data), batch, cfg.data.shuffle, cfg.data.seed)
     last: dict[str, float] = {}
     engine, rewards = None, None
     # As the RL loop: at the start, every eval_every steps and at the end; never with eval_every=0.
@@ -109,11 +124,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
                 tracker.log_step(0, {**start_metrics, "data/dropped_prompts": float(inputs.dropped_prompts)})
         for step in range(1, steps + 1):
             start = time.perf_counter()
-            if len(order) < batch:
-                fresh = list(range(len(data)))
-                rng.shuffle(fresh)
-                order += fresh
-            chunk, order = [data[i] for i in order[:batch]], order[batch:]
+            chunk = [data[i] for i in next(batches)]
             metrics = trainer.sft_step(dp.shard(chunk))
             metrics["time/train"] = metrics["time/step"] = time.perf_counter() - start
             is_last = step == steps

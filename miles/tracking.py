@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config import LoggingConfig
+from miles.errors import MilesUserError
 from miles.sample import Sample
 
 log = logging.getLogger("miles.tracking")
@@ -31,11 +32,33 @@ def _clean(value: Any) -> Any:
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    """A run folder's metrics.jsonl records, in order ([] when it has none)."""
+    """A run folder's metrics.jsonl records, in order ([] when it has none). A line cut short by a crash
+    (the process killed, the disk full) is left out, so the run can still be resumed."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a whole JSON record (cut short by a crash?); skipped", path, number)
+    return records
+
+
+def check_new_run_dir(run_dir: Path, resumed_run: Path | None = None) -> None:
+    """A run logs into a folder without records, or into that of the run it resumes (whose records past the
+    checkpoint are cut back): appended after another run's, its steps would repeat theirs in metrics.jsonl,
+    samples.jsonl and the plot."""
+    if resumed_run is not None and resumed_run.resolve() == run_dir.resolve():
+        return
+    if read_records(run_dir):
+        raise MilesUserError(
+            f"{run_dir} already holds another run's metrics.jsonl, which this run's steps would be mixed into: "
+            f"pick a new folder (hydra.run.dir=...), or go on with that run (trainer.resume_from={run_dir})"
+        )
 
 
 class Tracker:

@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     recipes = list_recipes()
     if recipe not in recipes:
         raise MilesUserError(f"unknown recipe {recipe!r}; available: {', '.join(recipes)}")
-    check_overrides(overrides)
+    overrides = check_overrides(overrides)
     register_schema()
 
     import hydra

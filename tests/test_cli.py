@@ -80,9 +80,15 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["model=nope"], "tiny_moe_math"),
         (["trainer.max_steps=abc", "--cfg", "job"], "max_steps"),
         (["nosuchgroup.key=1"], "Valid keys"),
+        (["+trainer.lerning_rate=1", "--cfg", "job"], "Valid keys under trainer"),  # `+` checks keys too
         (["trainer.backend=deepspeed", "logging.wandb=false"], "trainer.backend=torch or megatron"),
         (["trainer.backend=megatron", "trainer.precision=bf16", "model.device=cpu"], "precision=fp32 on CPU"),
         (["placement.mode=ray", "logging.wandb=false"], "placement.mode=embedded"),
+        # Read by the loop only after the first rollout: checked at start instead.
+        (["algorithm.advantage=grpoo", "trainer.max_steps=1"], "unknown advantage estimator 'grpoo'"),
+        (["algorithm.policy_loss=ppo", "trainer.max_steps=1"], "unknown policy loss 'ppo'"),
+        (["trainer.routing_replay=true", "trainer.max_steps=1"], "rollout.record_routing=true"),
+        (["rollout.rollout_batch_size=0", "trainer.max_steps=1"], "rollout_batch_size must be at least 1"),
         (["trainer.tensor_parallel_size=2"], "needs trainer.backend=megatron"),
         (
             ["trainer.backend=megatron", "trainer.tensor_parallel_size=2"],
@@ -100,6 +106,22 @@ def test_user_errors_are_clean(args: list[str], needle: str, tmp_path: Path) -> 
     text = out.stdout + out.stderr
     assert needle in text
     assert "Traceback" not in text
+
+
+def test_dict_overrides_compose_as_the_readme_writes_them(tmp_path: Path) -> None:
+    """A key inside a free-form dict field (reward.kwargs, reward.weights) is set without Hydra's `+`."""
+    out = miles(
+        "train",
+        "reward.kwargs.target_len=128",
+        "reward.weights={math: 1.0, format: 0.2}",
+        "reward.by_data_source.gsm8k=math",
+        "--cfg",
+        "job",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    for line in ("target_len: 128", "format: 0.2", "gsm8k: math"):
+        assert line in out.stdout, line
 
 
 def test_valid_keys_listed_for_typo(tmp_path: Path) -> None:

