@@ -437,6 +437,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", default="auto")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="filtered sampling (with --top-k, --min-p)")
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--max-running-requests", type=int, default=1024)
     p.add_argument("--kv-cache-fraction", type=float, default=0.85)
@@ -565,7 +568,14 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(a.seed)
     prompts = torch.randint(0, args.vocab_size, (a.num_prompts, a.input_len), generator=gen).tolist()
     params = SamplingParams(
-        n=a.n, temperature=a.temperature, max_new_tokens=a.output_len, ignore_eos=True, seed=a.seed
+        n=a.n,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        max_new_tokens=a.output_len,
+        ignore_eos=True,
+        seed=a.seed,
     )
 
     # Warm-up: kernel JIT / CUDA-graph capture, on other prompts, then an empty cache.
@@ -633,6 +643,10 @@ def main(argv: list[str]) -> int:
         "input_len": a.input_len,
         "output_len": a.output_len,
         "n": a.n,
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+        "top_k": a.top_k,
+        "min_p": a.min_p,
         "radix_cache": a.radix_cache,
         "cuda_graph": a.cuda_graph == "on" and on_gpu,
         "piecewise_min_batch": a.piecewise_min_batch if engine.runner.graphs is not None else None,
@@ -759,7 +773,10 @@ class HFBaseline:
             pad_token_id=0,
         )
         if a.temperature > 0:
-            self.kwargs.update(do_sample=True, temperature=a.temperature, top_k=0, top_p=1.0)
+            top_k = a.top_k if a.top_k > 0 else 0
+            self.kwargs.update(do_sample=True, temperature=a.temperature, top_k=top_k, top_p=a.top_p)
+            if a.min_p > 0:
+                self.kwargs["min_p"] = a.min_p
         else:
             self.kwargs.update(do_sample=False)
         warm = self.ids[: min(2, self.num), :32]

@@ -179,6 +179,9 @@ class Engine:
                 "rollout.cuda_graph_piecewise_min_batch must be >= 0 (0 disables piecewise graphs), "
                 f"got {cfg.cuda_graph_piecewise_min_batch}"
             )
+        for key in ("max_running_requests", "max_batch_tokens"):
+            if getattr(cfg, key) < 1:
+                raise ValueError(f"rollout.{key} must be >= 1, got {getattr(cfg, key)}")
         if cfg.max_running_requests > cfg.max_batch_tokens:
             raise ValueError(
                 f"rollout.max_running_requests ({cfg.max_running_requests}) must not exceed rollout.max_batch_tokens "
@@ -279,6 +282,8 @@ class Engine:
         """Request ids in the order they finished, while a `generate(on_finish=...)` call collects them."""
         self._prompt_texts: dict[int, str] = {}
         self._released = False
+        self._weights_broken: str | None = None
+        """Why the last `update_weights` failed part-way: the model holds some new tensors and some old."""
         self._warned_draft_oom = False
         self._alternative_requests = 0
         """Unfinished requests that asked for `top_logprobs`: while there are none, a step looks for none."""
@@ -817,12 +822,21 @@ class Engine:
             else:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
+                    self.stats.output_tokens -= len(
+                        req.output_ids
+                    )  # thrown away: regenerated on the new weights
                     req.output_ids, req.logprobs, req.stop_text, req.ngram = [], [], None, None
                     req.alternatives = {}
                     req.spec_steps = req.spec_draft_tokens = req.spec_proposed_tokens = 0
                     req.spec_accepted_tokens = 0
         self.flush_cache()
-        load_weights(self.model, weights)
+        try:
+            load_weights(self.model, weights)
+        except BaseException as err:
+            # The tensors before the bad one are in already: nothing may be generated from these weights.
+            self._weights_broken = f"{type(err).__name__}: {err}"
+            raise
+        self._weights_broken = None
         self._head_rows, self._head_hidden, self._chained = {}, None, None  # from the old weights
         self.spec_gate.reset()
         self._weight_version = self._weight_version + 1 if version is None else int(version)
@@ -923,6 +937,11 @@ class Engine:
     def _check_usable(self) -> None:
         if self._released:
             raise RuntimeError("the engine's KV memory is released; call engine.resume_memory() first")
+        if self._weights_broken is not None:
+            raise RuntimeError(
+                f"the last update_weights failed part-way ({self._weights_broken}), leaving the model with some "
+                "new and some old weights; call update_weights again with a whole set before generating"
+            )
 
     def _prompt_ids(self, prompt: Sample | list[int] | str) -> list[int]:
         """A new list of Python ints (ids may come as numpy or torch scalars)."""
@@ -1343,6 +1362,10 @@ class Engine:
         req.kv_len += req.inflight_tokens
         req.inflight_tokens = 0
         routed = self._routing_of(req) if req.params.return_routing else None
+        if routed is None and req.params.return_routing and req.output_ids and status != SampleStatus.ABORTED:
+            # Without it the trainer's routing replay could not use the sample: it costs the sample, not the run.
+            status = SampleStatus.ABORTED
+            error = "its recorded MoE routing was lost (retracted while its KV left the cache)"
         self.kv.release(req)  # all it computed: those keys and values are right, whatever is returned
         if self.drafter is not None:
             self.drafter.forget(req.rid)
@@ -1373,8 +1396,17 @@ class Engine:
     def _routing_of(self, req: Request) -> list[list[list[int]]] | None:
         """Experts chosen at every position fed to the model (the prompt, then the response minus its last
         token), read from the slot store; the layout `Sample.routed_experts` documents for routing replay."""
-        if self.pool.routing is None or req.row < 0 or not req.output_ids:
+        if self.pool.routing is None or not req.output_ids:
             return None
-        fed = len(req.prompt_ids) + len(req.output_ids) - 1
-        slots = self.kv.table.table[req.row, :fed].long()
+        if req.row >= 0:
+            fed = len(req.prompt_ids) + len(req.output_ids) - 1
+            slots = self.kv.table.table[req.row, :fed].long()
+        else:
+            # Retracted (preemption, `release_memory`) and ended while waiting (its max_new_tokens lowered
+            # to its output): what it computed went into the radix cache, where it may still be.
+            fed = len(req.prompt_ids) + min(len(req.output_ids), max(req.params.max_new_tokens, 1)) - 1
+            match = self.kv.tree.match_prefix(req.tokens(0, fed)) if self.kv.tree is not None else None
+            if match is None or match.length < fed:
+                return None
+            slots = match.slots[:fed].long()
         return self.pool.routing[slots].tolist()

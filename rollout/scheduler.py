@@ -269,7 +269,10 @@ class Scheduler:
         A request that ignores EOS and has no stop condition will use every one of its tokens: reserving
         fewer admits requests that must later be retracted and recomputed.
         """
-        remaining = min(max(req.remaining_tokens, 0), _CLIP_NEW_TOKENS)
+        # The context may end it first (`req.room`): a max_new_tokens past it must not hold the pool.
+        remaining = min(
+            max(req.remaining_tokens, 0), max(req.room - len(req.output_ids), 0), _CLIP_NEW_TOKENS
+        )
         p = req.params
         if p.ignore_eos and not p.stop_token_ids and not p.stop:
             return float(remaining)
@@ -333,9 +336,9 @@ class Scheduler:
                 cached = lengths.get(req.rid)
                 if cached is None:
                     cached = self.kv.match_length(req)
-                if trie.longest(req.tokens(0, req.seq_len - 1)) - cached >= min(
-                    self.cfg.dedup_tokens, max(1, (req.seq_len - cached) // 2)
-                ):
+                shared = trie.longest(req.tokens(0, req.seq_len - 1))
+                shared -= shared % self.kv.page_size  # the cache keeps whole pages: a partial one never comes
+                if shared - cached >= min(self.cfg.dedup_tokens, max(1, (req.seq_len - cached) // 2)):
                     continue  # its prefix is being computed right now; take it from the cache next step
             self.kv.admit(req)
             length = min(req.seq_len - req.kv_len, budget)

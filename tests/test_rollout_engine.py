@@ -755,3 +755,100 @@ def test_decode_staging_gives_the_same_samples(speculative: str) -> None:
     assert [s.response_ids for s in staged] == [s.response_ids for s in gathered]
     for a, b in zip(staged, gathered):
         torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_request_retracted_and_ended_while_waiting_keeps_its_routing() -> None:
+    """A request that waits with output but no KV (retracted) and whose max_new_tokens is lowered in place to
+    its output ends there: its routing comes from the radix cache its KV went into; where the cache lost
+    it, the sample is aborted (routing replay could not train on it), not returned without routing."""
+    model = tiny_model(True, seed=1)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, ignore_eos=True, return_routing=True)
+    reference = Engine(model, None, config(record_routing=True, overlap_schedule="off")).generate(
+        [prompt], params
+    )[0]
+    for release in (False, True):
+        engine = Engine(model, None, config(record_routing=True, overlap_schedule="off"))
+        lowered = params.with_()
+        rid = engine.add_request(prompt, lowered)
+        for _ in range(12):
+            engine.step()
+        if release:
+            engine.release_memory()  # the whole pool, the cache too, is given back
+            engine.resume_memory()
+        else:
+            engine.scheduler.retract_all()  # as preemption does: its KV goes into the radix cache
+        lowered.max_new_tokens = 3
+        while engine.has_unfinished:
+            engine.step()
+        sample = engine.take_result(rid)
+        if release:
+            assert sample.status == SampleStatus.ABORTED and "routing" in sample.metadata["error"]
+        else:
+            assert sample.status == SampleStatus.TRUNCATED
+            assert sample.response_ids == reference.response_ids[:3]
+            fed = len(prompt) + 3 - 1
+            assert sample.routed_experts == reference.routed_experts[:fed]
+        assert_pool_clean(engine)
+
+
+def test_admission_reserves_only_the_tokens_the_context_leaves() -> None:
+    """A max_new_tokens past the context is valid (the context truncates the request): admission must not
+    reserve pool room for tokens the context will never let it generate."""
+    model = tiny_model(False, seed=1, max_position_embeddings=64)
+    prompts = [[(7 * i + j) % 96 for j in range(8)] for i in range(8)]
+    engine = Engine(model, None, config(kv_cache_bytes=kv_bytes(model, 600)))  # 8 x 64 = 512 slots fit
+    params = SamplingParams(temperature=1.0, max_new_tokens=1000, seed=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, group_id=i)
+    most = 0
+    while engine.has_unfinished:
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 8 and engine.stats.preemptions == 0  # one at a time before
+    assert_pool_clean(engine)
+
+
+def test_a_group_whose_prompt_ends_inside_a_page_starts_together() -> None:
+    """The radix cache keeps whole pages: the other samples of a group wait one step for the leader's whole
+    pages, never for its partial last page (which no step puts in the cache)."""
+    model = tiny_model(False, seed=1)
+    engine = Engine(model, None, config(page_size=4))
+    admitted: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def counting(*args: object, **kwargs: object) -> object:
+        before = len(engine.scheduler.waiting)
+        plan = schedule(*args, **kwargs)
+        admitted.append(before - len(engine.scheduler.waiting))
+        return plan
+
+    engine.scheduler.schedule = counting  # type: ignore[method-assign]
+    prompt = [(13 * i + 7) % 96 for i in range(14)]
+    engine.generate([prompt], SamplingParams(n=8, temperature=1.0, max_new_tokens=6, seed=0, ignore_eos=True))
+    assert admitted[:2] == [1, 7]  # one sample per step before
+    assert engine.stats.prefill_tokens == 14 + 7 * 2  # the others compute only the partial page
+
+
+def test_a_weight_update_that_fails_part_way_stops_generation_until_a_whole_one() -> None:
+    from miles.models.checkpoint import internal_to_hf
+
+    new = tiny_model(seed=1)
+    engine = Engine(tiny_model(seed=0), None, config())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    named = list(internal_to_hf(new.state_dict(), new.args))
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights(named[:-1] + [("model.norm.weight", torch.zeros(3))], version=5)
+    assert engine.weight_version == 0
+    with pytest.raises(RuntimeError, match="update_weights failed part-way"):
+        engine.generate([[3, 14, 15, 92]], greedy)
+    engine.update_weights(named, version=5)
+    got = engine.generate([[3, 14, 15, 92]], greedy)[0]
+    want = Engine(new, None, config()).generate([[3, 14, 15, 92]], greedy)[0]
+    assert got.response_ids == want.response_ids and got.weight_version == 5
+
+
+@pytest.mark.parametrize("key", ["max_running_requests", "max_batch_tokens"])
+def test_a_zero_batch_limit_is_refused_at_start(key: str) -> None:
+    with pytest.raises(ValueError, match=f"rollout.{key} must be >= 1"):
+        Engine(tiny_model(), None, config(**{key: 0}))
