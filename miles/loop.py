@@ -260,7 +260,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         fn = plugins.load(spec, "rollout.generate_fn")
         multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)
         generate = multiturn.generate
-    sync = InProcessWeightSync(policy, engine)  # after it, `model` holds the trainer's weights
+    # After it, `model` holds the trainer's weights; the fingerprints are compared across replicas only.
+    sync = InProcessWeightSync(policy, engine, replica_fingerprints=dp.enabled)
     release_kv = cfg.rollout.release_kv_during_train and engine.device.type == "cuda"
     rewards = RewardRunner(cfg.reward, engine=engine)
     params = SamplingParams(

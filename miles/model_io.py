@@ -99,11 +99,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: in
         return LoadedModel(model, tokenizer, "")
     try:
         model = from_pretrained(folder, dtype=dtype, device=dev)
-    except (
-        FileNotFoundError,
-        ValueError,
-        KeyError,
-    ) as e:  # no safetensors, an unsupported config, a bad dtype
+    except (FileNotFoundError, ValueError, KeyError) as e:  # no safetensors, an unknown architecture, ...
         raise MilesUserError(f"cannot load the checkpoint {folder}: {e.args[0] if e.args else e}") from e
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

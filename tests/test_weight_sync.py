@@ -116,3 +116,27 @@ def test_converted_weights_stream_through_one_bucket_at_a_time() -> None:
     assert len(bucket_of) == len(produced) and bucket_of[-1] == engine.buckets
     assert all(b - p <= 2 for b, p in zip(bucket_of, produced)), list(zip(bucket_of, produced))
     assert result.fingerprints == fingerprints(trainer.named_parameters())
+
+
+def test_a_fingerprint_does_not_depend_on_the_chunks_it_is_summed_in() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for tensor in (
+        torch.randn(1000, generator=gen),
+        torch.randn(37, 11, generator=gen).to(torch.bfloat16),
+        torch.randint(-128, 127, (999,), generator=gen, dtype=torch.int8),
+    ):
+        flat = tensor.contiguous().view(-1)
+        bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.element_size()]).to(
+            torch.int64
+        )
+        whole = int((bits * (torch.arange(1, bits.numel() + 1) % 1_000_003 + 1)).sum())  # one pass
+        assert {tensor_fingerprint(tensor, chunk) for chunk in (1, 7, 64, 10**6)} == {whole}
+
+
+def test_a_sync_over_shared_weights_reads_them_only_for_the_replicas() -> None:
+    trainer = tiny_model(0)
+    engine = CopyingEngine(trainer)  # the engine runs the trainer's own module
+    alone = InProcessWeightSync(trainer, engine, replica_fingerprints=False).sync(version=2)
+    assert alone.checksum_ok and alone.fingerprints == {} and engine.weight_version == 2
+    replicated = InProcessWeightSync(trainer, engine, replica_fingerprints=True).sync(version=3)
+    assert replicated.fingerprints == fingerprints(trainer.named_parameters())

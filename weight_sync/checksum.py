@@ -9,12 +9,22 @@ import torch
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def tensor_fingerprint(tensor: torch.Tensor) -> int:
-    """Position-weighted sum of the raw bits (wrapping int64): any changed element changes it."""
+FINGERPRINT_CHUNK = 1 << 24
+"""Elements fingerprinted at once: the int64 temporaries take ~32 bytes an element, which for a whole
+Qwen3-8B embedding (622M elements) would be ~20 GB next to the KV pool."""
+
+
+def tensor_fingerprint(tensor: torch.Tensor, chunk: int = FINGERPRINT_CHUNK) -> int:
+    """Position-weighted sum of the raw bits (wrapping int64): any changed element changes it. Summed a
+    `chunk` of elements at a time; int64 addition wraps, so the value does not depend on the chunk size."""
     flat = tensor.detach().contiguous().view(-1)
-    bits = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
-    weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64) % 1_000_003 + 1
-    return int((bits * weights).sum().item())
+    bits = flat.view(_INT_VIEW[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start : start + chunk].to(torch.int64)
+        weights = torch.arange(start + 1, start + part.numel() + 1, device=bits.device, dtype=torch.int64)
+        total += (part * (weights % 1_000_003 + 1)).sum()
+    return int(total.item())
 
 
 def fingerprints(

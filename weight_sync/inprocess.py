@@ -63,9 +63,13 @@ class InProcessWeightSync:
         engine: object,
         bucket_bytes: int = 256 * 1024 * 1024,
         verify: bool = True,
+        replica_fingerprints: bool = True,
     ) -> None:
+        """`replica_fingerprints`: return the trainer's fingerprints (`SyncResult.fingerprints`) for the
+        data-parallel replicas' comparison; without it a sync over shared weights reads no tensor at all."""
         self.trainer_model, self.engine = trainer_model, engine
         self.bucket_bytes, self.verify = bucket_bytes, verify
+        self.replica_fingerprints = replica_fingerprints
 
     @property
     def shares_weights(self) -> bool:
@@ -100,8 +104,9 @@ class InProcessWeightSync:
 
         if self.shares_weights:
             self.engine.update_weights([], version)
-            for _ in passing(self._named()):
-                pass
+            if self.verify and self.replica_fingerprints:  # nothing else reads them: one side only
+                for _ in passing(self._named()):
+                    pass
             moved = 0
         else:
             self.engine.update_weights(iter_buckets(passing(self._named()), self.bucket_bytes), version)
