@@ -66,9 +66,16 @@ def check_supported(config: MilesConfig) -> None:
 def check_algorithm(config: MilesConfig) -> None:
     """Settings the loop reads only once a step has been generated fail at start instead (a typo in
     algorithm.advantage would otherwise surface after the models loaded and the first rollout ran)."""
+    from miles.models.checkpoint import DTYPES
     from miles.trainer.algorithms import get_advantage, get_policy_loss
+    from miles.trainer.losses import LOSS_AGG_MODES
 
     algorithm, rollout = config.algorithm, config.rollout
+    if config.model.dtype not in DTYPES:
+        raise MilesUserError(f"model.dtype={config.model.dtype}: use one of {', '.join(DTYPES)}")
+    for key in ("global_batch_size", "epochs_per_rollout"):
+        if getattr(config.trainer, key) < 1:
+            raise MilesUserError(f"trainer.{key} must be at least 1, got {getattr(config.trainer, key)}")
     sft = algorithm.name == "sft" or algorithm.policy_loss == "sft"
     lookups = [("policy_loss", algorithm.policy_loss, get_policy_loss)]
     if not sft:
@@ -80,6 +87,10 @@ def check_algorithm(config: MilesConfig) -> None:
             raise MilesUserError(f"algorithm.{key}={name}: {e.args[0] if e.args else e}") from e
     if sft:
         return
+    if algorithm.loss_agg not in LOSS_AGG_MODES:
+        raise MilesUserError(
+            f"algorithm.loss_agg={algorithm.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}"
+        )
     for key, value in (
         ("rollout_batch_size", rollout.rollout_batch_size),
         ("n_samples_per_prompt", rollout.n_samples_per_prompt),

@@ -200,9 +200,14 @@ def filtered_logprobs(
 def kept_tokens(
     scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
-    """[B, V] bool in vocabulary order: the tokens the filters keep (all of them on a row without filters)."""
-    _, sorted_ids, dropped = _filter_sorted(scaled, top_k, top_p, min_p)
-    return torch.empty_like(dropped).scatter_(-1, sorted_ids, ~dropped)
+    """[B, V] bool in vocabulary order: the tokens the filters keep (all of them on a row without filters).
+
+    Each filter keeps the tokens at least as likely as some token, ties included, so together they keep
+    those whose logit reaches the least likely kept one's: one comparison in vocabulary order instead of a
+    scatter of the sorted mask (the same set)."""
+    sorted_logits, _, dropped = _filter_sorted(scaled, top_k, top_p, min_p)
+    kept = (~dropped).sum(dim=-1, keepdim=True)  # >= 1: the most likely token always stays
+    return scaled >= sorted_logits.gather(-1, kept - 1)
 
 
 _CDF_BLOCK = 1024
