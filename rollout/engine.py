@@ -822,9 +822,7 @@ class Engine:
             else:
                 self.scheduler.retract_all()
                 for req in self.scheduler.waiting:
-                    self.stats.output_tokens -= len(
-                        req.output_ids
-                    )  # thrown away: regenerated on the new weights
+                    self.stats.output_tokens -= len(req.output_ids)  # regenerated on the new weights
                     req.output_ids, req.logprobs, req.stop_text, req.ngram = [], [], None, None
                     req.alternatives = {}
                     req.spec_steps = req.spec_draft_tokens = req.spec_proposed_tokens = 0

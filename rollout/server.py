@@ -119,6 +119,10 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
 
+    def payload(self) -> dict[str, Any]:
+        """The OpenAI-style error body."""
+        return {"error": {"message": self.message, "type": self.kind, "code": int(self.status)}}
+
 
 class ClientGone(Exception):
     """The client of a request hung up while it waited: its generation was aborted, no response is sent."""
@@ -1063,15 +1067,12 @@ class _HTTPServer(ThreadingHTTPServer):
 def _refuse_busy(sock: socket.socket, limit: int) -> None:
     """A 503 on a connection past the cap, sent from the accepting thread (a few hundred bytes into a new
     socket's empty buffer: it does not block, and a client that never reads cannot hold the accept loop)."""
-    data = _json(
-        {
-            "error": {
-                "message": f"server busy: {limit} connections open (miles serve --max-connections); retry later",
-                "type": "server_busy",
-                "code": int(HTTPStatus.SERVICE_UNAVAILABLE),
-            }
-        }
+    busy = RequestError(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        f"server busy: {limit} connections open (miles serve --max-connections); retry later",
+        "server_busy",
     )
+    data = _json(busy.payload())
     head = (
         f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
         "Retry-After: 1\r\nConnection: close\r\n\r\n"
@@ -1243,9 +1244,7 @@ def _handler_for(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             self.close_connection = (
                 True  # a refused request's body may be unread: do not reuse the connection
             )
-            self._send(
-                err.status, {"error": {"message": err.message, "type": err.kind, "code": int(err.status)}}
-            )
+            self._send(err.status, err.payload())
 
         def _send_events(self, events: Iterator[dict[str, Any] | None]) -> None:
             """Server-sent events, then `data: [DONE]`; the connection closes at the end (no length). A None
