@@ -276,6 +276,12 @@ class AlgorithmConfig:
     filter_max_batches: int = 4
     """With `group_filter`: at most this many batches of `rollout.rollout_batch_size` prompts are generated a
     step; if the kept groups are still fewer, the step trains on those."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response longer than `rollout.max_new_tokens - overlong_buffer`
+    tokens loses up to `overlong_penalty` of its reward, linearly, all of it at `max_new_tokens`. Applied after
+    `group_filter` (which sees the rewards as scored) and before the advantages. 0 = off."""
+    overlong_penalty: float = 1.0
+    """The most a response loses to `overlong_buffer`."""
 
 
 @dataclass

@@ -36,6 +36,7 @@ from miles.group_filter import (
     trainable,
 )
 from miles.model_io import load_model
+from miles.overlong import apply_overlong_penalty
 from miles.resume import (
     DRAFT_DIR,
     DRAFT_HEAD_DIR,
@@ -435,6 +436,10 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 chosen = set(kept[: cfg.rollout.rollout_batch_size])
                 train_everyone = [s for s in everyone if s.group_id in chosen]
                 train_own = [s for s in samples if s.group_id in chosen]
+            if cfg.algorithm.overlong_buffer:  # after the filter, which judges the rewards as scored
+                algo = cfg.algorithm
+                shaping = (cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+                metrics.update(apply_overlong_penalty(train_everyone, *shaping))
             # An aborted request (engine error, failed generate plugin) has no response: it costs its sample,
             # never the step, and stays out of its group's advantages (its reward 0 would lift the others').
             usable = [s for s in train_everyone if trainable(s)]

@@ -87,6 +87,17 @@ def check_algorithm(config: MilesConfig) -> None:
             raise MilesUserError(f"algorithm.{key}={name}: {e.args[0] if e.args else e}") from e
     if sft:
         return
+    buffer = algorithm.overlong_buffer
+    if (buffer and not 0 < buffer < rollout.max_new_tokens) or algorithm.overlong_penalty < 0:
+        raise MilesUserError(
+            f"algorithm.overlong_buffer={buffer} must be 0 (off) or between 1 and rollout.max_new_tokens - 1 "
+            f"({rollout.max_new_tokens - 1}), and algorithm.overlong_penalty >= 0"
+        )
+    if buffer and rollout.generate_fn:
+        raise MilesUserError(
+            "algorithm.overlong_buffer counts a response against rollout.max_new_tokens, which bounds one "
+            "turn of a multi-turn rollout (rollout.generate_fn), not the whole trajectory; turn one of them off"
+        )
     if algorithm.loss_agg not in LOSS_AGG_MODES:
         raise MilesUserError(
             f"algorithm.loss_agg={algorithm.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}"

@@ -94,6 +94,7 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["algorithm.loss_agg=sum", "trainer.max_steps=1"], "algorithm.loss_agg=sum: use one of"),
         (["algorithm.group_filter=nonzero", "trainer.max_steps=1"], "algorithm.group_filter 'nonzero'"),
         (["algorithm.filter_max_batches=0", "trainer.max_steps=1"], "filter_max_batches must be at least 1"),
+        (["algorithm.overlong_buffer=24", "trainer.max_steps=1"], "algorithm.overlong_buffer=24 must be 0"),
         (["trainer.tensor_parallel_size=2"], "needs trainer.backend=megatron"),
         (
             ["trainer.backend=megatron", "trainer.tensor_parallel_size=2"],

@@ -142,3 +142,46 @@ def test_two_processes_filter_the_whole_batch_alike(tmp_path: Path, monkeypatch:
     assert step["adv/num_groups"] == 4
     assert all(size == 4 for _, size, _ in seen)  # whole groups, both ranks' samples
     assert sorted(g for g, _, _ in seen) == sorted(list(range(12)) * 2)  # each rank filtered every group
+
+
+def test_the_overlong_penalty_grows_over_the_buffer() -> None:
+    from miles.overlong import apply_overlong_penalty, overlong_penalty
+
+    assert [overlong_penalty(n, 20, 4, 1.0) for n in (0, 16, 17, 18, 20, 25)] == [
+        0.0,
+        0.0,
+        -0.25,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]
+    assert overlong_penalty(19, 20, 4, 0.5) == -0.375
+    samples = scored(0, [1.0, 1.0, 0.0])
+    for sample, length in zip(samples, (10, 18, 20)):
+        sample.response_ids = [1] * length
+    metrics = apply_overlong_penalty(samples, 20, 4, 1.0)
+    assert [s.reward for s in samples] == [1.0, 0.5, -1.0]
+    assert [s.reward_info["overlong_penalty"] for s in samples] == [0.0, -0.5, -1.0]
+    assert metrics == {
+        "reward/overlong_penalty_mean": pytest.approx(-0.5),
+        "reward/overlong_frac": pytest.approx(2 / 3),
+    }
+
+
+def test_the_loop_penalises_long_responses_after_the_filter_judged_them(tmp_path: Path) -> None:
+    """grpo_math's responses end well inside 24 tokens; a buffer of 20 puts most of them in the penalty:
+    the advantages see it (the filter, as scored, does not)."""
+    plain = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        "trainer.max_steps=1",
+        "trainer.eval_every=0",
+        "rollout.rollout_batch_size=4",
+        "algorithm=dapo",
+        "algorithm.overlong_buffer=20",
+        run_dir=tmp_path / "shaped",
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    (step,) = [json.loads(line) for line in (tmp_path / "shaped" / "metrics.jsonl").read_text().splitlines()]
+    assert step["reward/overlong_frac"] > 0.5 and step["reward/overlong_penalty_mean"] < 0
+    assert step["rollout/filter_kept_groups"] == 4
