@@ -11,7 +11,12 @@ of a preset's shape (elementwise work left out, so these are lower bounds for an
 * `serial-2mb`: the batch as two micro-batches, one after the other (the cost of splitting);
 * `overlap-2mb`: two micro-batches in anti-phase on two streams, one micro-batch's attention next to the
   other's GEMMs (two-batch overlap);
-* `green-N` (with `--green-sms`): the same with the SMs partitioned by CUDA green contexts, N for attention.
+* `green-N` (with `--green-sms`): the same with the SMs partitioned by CUDA green contexts, N for attention;
+* `attention-green-N`: attention alone confined to N SMs (how many SMs it needs to stream the KV);
+* `overlap-gemm-green-N`: two-batch overlap with only the GEMMs confined (to all SMs but N), attention free
+  to take any SM the GEMMs leave;
+* `gemms-carve-N` / `overlap-carve-N` (with `--carveout`): cuBLASLt told to leave N SMs free
+  (`CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET` through torch's SM carveout), alone and under two-batch overlap.
 """
 
 from __future__ import annotations
@@ -36,15 +41,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=int, default=524, help="decode batch (the 8B bench's average: 524)")
     p.add_argument("--context", type=int, default=749, help="cached tokens per sequence (8B bench: 749)")
+    p.add_argument("--page-size", type=int, default=1, help="KV tokens per page (the engine's default: 16)")
     p.add_argument("--green-sms", default="", help="comma-separated SM counts for attention, e.g. 48,64")
+    p.add_argument("--carveout", default="", help="comma-separated SM counts cuBLASLt GEMMs leave free")
     p.add_argument("--iters", type=int, default=10)
     return p.parse_args(argv)
 
 
 class DecodeStep:
-    """Random weights and a scattered KV pool (page size 1) of a dense preset, at one batch and context."""
+    """Random weights and a scattered paged KV pool of a dense preset, at one batch and context."""
 
-    def __init__(self, model: str, batch: int, context: int) -> None:
+    def __init__(self, model: str, batch: int, context: int, page_size: int = 1) -> None:
         import flashinfer
 
         args = preset_args(None, model)
@@ -64,10 +71,12 @@ class DecodeStep:
             for _ in range(args.num_hidden_layers)
         ]
         self.lm_head = weight(args.vocab_size, h)
-        slots = batch * context
-        self.k = [torch.randn(slots, 1, self.hkv, d, device=dev, dtype=bf) for _ in self.layers]
-        self.v = [torch.randn(slots, 1, self.hkv, d, device=dev, dtype=bf) for _ in self.layers]
-        self.slots = torch.randperm(slots, device=dev).to(torch.int32)  # no sequence is contiguous
+        self.page_size = page_size
+        self.pages_per_seq = -(-context // page_size)
+        pages = batch * self.pages_per_seq
+        self.k = [torch.randn(pages, page_size, self.hkv, d, device=dev, dtype=bf) for _ in self.layers]
+        self.v = [torch.randn(pages, page_size, self.hkv, d, device=dev, dtype=bf) for _ in self.layers]
+        self.pages = torch.randperm(pages, device=dev).to(torch.int32)  # no sequence is contiguous
         half = batch // 2
         self.wrappers = {
             "full": self._wrapper(flashinfer, 0, batch),
@@ -80,9 +89,11 @@ class DecodeStep:
     def _wrapper(self, flashinfer: Any, lo: int, hi: int) -> Any:
         dev = torch.device("cuda")
         n = hi - lo
-        indptr = torch.arange(0, n + 1, dtype=torch.int32, device=dev) * self.context
-        indices = self.slots[lo * self.context : hi * self.context].contiguous()
-        last = torch.ones(n, dtype=torch.int32, device=dev)
+        per_seq = self.pages_per_seq
+        indptr = torch.arange(0, n + 1, dtype=torch.int32, device=dev) * per_seq
+        indices = self.pages[lo * per_seq : hi * per_seq].contiguous()
+        last_len = self.context - (per_seq - 1) * self.page_size
+        last = torch.full((n,), last_len, dtype=torch.int32, device=dev)
         workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace,
@@ -95,7 +106,7 @@ class DecodeStep:
             paged_kv_last_page_len_buffer=last,
         )
         wrapper.plan(
-            indptr.cpu(), indices, last.cpu(), self.hq, self.hkv, self.d, 1,
+            indptr.cpu(), indices, last.cpu(), self.hq, self.hkv, self.d, self.page_size,
             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
         )  # fmt: skip
         return wrapper
@@ -187,12 +198,38 @@ def graph_ms(fn: Callable[[], None], iters: int) -> float:
     return 1e3 * median_cuda_seconds(graph.replay, iters)
 
 
+def in_stream(stream: torch.cuda.Stream, fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            fn()
+        main.wait_stream(stream)
+
+    return run
+
+
+def carved_graph_ms(fn: Callable[[], None], carveout: int, iters: int) -> float:
+    """`graph_ms` with cuBLASLt GEMMs captured under an SM carveout (the count is fixed at capture)."""
+    set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if set_carveout is None:
+        raise RuntimeError("this torch has no SM carveout for cuBLASLt")
+    library = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # cuBLAS' own GEMMs take no SM target
+    set_carveout(carveout)
+    try:
+        return graph_ms(fn, iters)
+    finally:
+        set_carveout(None)
+        torch.backends.cuda.preferred_blas_library(library)
+
+
 def main(argv: list[str]) -> int:
     a = parse(argv)
     if not torch.cuda.is_available():
         print("miles bench layers times GPU kernels: it needs a CUDA device", file=sys.stderr)
         return 2
-    step = DecodeStep(a.model, a.batch, a.context)
+    step = DecodeStep(a.model, a.batch, a.context, a.page_size)
     bandwidth = measure_copy_bandwidth(torch.device("cuda"))
     kv_bytes = 2 * a.batch * a.context * step.hkv * step.d * 2 * len(step.layers)
     roofline_ms = 1e3 * (decode_weight_bytes(step.args, torch.bfloat16, a.batch) + kv_bytes) / bandwidth
@@ -203,6 +240,7 @@ def main(argv: list[str]) -> int:
         "serial-2mb": step.serial_micro,
         "overlap-2mb": step.overlapped(torch.cuda.Stream(), torch.cuda.Stream()),
     }
+    contexts = []  # a green context destroyed with its Python object takes its streams with it
     for n in filter(None, a.green_sms.split(",")):
         try:
             from torch.cuda.green_contexts import GreenContext
@@ -210,20 +248,33 @@ def main(argv: list[str]) -> int:
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             attn_ctx = GreenContext.create(num_sms=int(n), device_id=0)
             gemm_ctx = GreenContext.create(num_sms=sms - int(n), device_id=0)
+            contexts += [attn_ctx, gemm_ctx]
             variants[f"green-{n}"] = step.overlapped(attn_ctx.Stream(), gemm_ctx.Stream())
+            variants[f"attention-green-{n}"] = in_stream(attn_ctx.Stream(), step.attention)
+            variants[f"overlap-gemm-green-{n}"] = step.overlapped(torch.cuda.Stream(), gemm_ctx.Stream())
         except Exception as err:  # torch or driver without green contexts: say so, time the rest
             print(f"green contexts unavailable: {type(err).__name__}: {err}", file=sys.stderr)
             break
+    carved = {}
+    for n in filter(None, a.carveout.split(",")):
+        carved[f"gemms-carve-{n}"] = (int(n), step.gemms)
+        carved[f"overlap-carve-{n}"] = (int(n), step.overlapped(torch.cuda.Stream(), torch.cuda.Stream()))
     results: dict[str, Any] = {}
     for name, fn in variants.items():
         try:
             results[name] = graph_ms(fn, a.iters)
         except Exception as err:
             results[name] = f"{type(err).__name__}: {err}"[:200]
+    for name, (n, fn) in carved.items():
+        try:
+            results[name] = carved_graph_ms(fn, n, a.iters)
+        except Exception as err:
+            results[name] = f"{type(err).__name__}: {err}"[:200]
     report = {
         "model": a.model,
         "batch": a.batch,
         "context": a.context,
+        "page_size": a.page_size,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "roofline_ms": roofline_ms,
         "ms": results,

@@ -644,11 +644,12 @@ def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) ->
 
     from miles.rollout import bench_layers
 
-    assert (
-        bench_layers.main(["--model", "qwen3-0.6b", "--batch", "64", "--context", "128", "--iters", "2"]) == 0
-    )
+    small = ["--model", "qwen3-0.6b", "--batch", "64", "--context", "128", "--iters", "2"]
+    # two green-context sizes: the first pair of contexts must outlive the loop that made it
+    assert bench_layers.main([*small, "--green-sms", "16,32", "--carveout", "0,16"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[0])
     assert set(report["ms"]) >= {"gemms", "attention", "serial", "serial-2mb", "overlap-2mb"}
+    assert set(report["ms"]) >= {"attention-green-16", "overlap-gemm-green-32", "overlap-carve-16"}
     failed = {k: v for k, v in report["ms"].items() if not isinstance(v, float)}
     assert not failed and all(v > 0 for v in report["ms"].values()), failed
     assert report["ms"]["serial"] >= 0.5 * (report["ms"]["gemms"] + report["ms"]["attention"]), report
