@@ -52,6 +52,68 @@ def _get_path(row: dict[str, Any], dotted: str) -> Any:
     return value
 
 
+def _has_path(row: dict[str, Any], dotted: str) -> bool:
+    """Whether `row` has the (dotted) key, null or not: `_get_path` cannot tell a null value from a missing
+    key, and only a key missing from every row is a misconfiguration."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def _key_paths(records: list[dict[str, Any]]) -> list[str]:
+    """Every key of the records, nested dicts' under their dotted names (as data.label_key takes them)."""
+    paths: set[str] = set()
+
+    def walk(value: dict[str, Any], prefix: str) -> None:
+        for key, inner in value.items():
+            paths.add(prefix + str(key))
+            if isinstance(inner, dict):
+                walk(inner, f"{prefix}{key}.")
+
+    for record in records:
+        walk(record, "")
+    return sorted(paths)
+
+
+_LABEL_FALLBACKS = ("reward_model.ground_truth", "answer")
+"""Read, in order, where a row has no label under data.label_key (verl's schema, then a plain answer)."""
+
+
+def check_label_key(records: list[dict[str, Any]], cfg: DataConfig, where: str) -> None:
+    """Stop when data.label_key names a key no record has: a typo would otherwise leave every label None (or
+    silently read a fallback column), and the run would train against nothing. The default key may be absent:
+    then the fallbacks are read, and data without labels is fine for rewards that need none (a warning
+    says so)."""
+    if not records or any(_has_path(r, cfg.label_key) for r in records):
+        return
+    keys = _key_paths(records)
+    if cfg.label_key != DataConfig.label_key:
+        raise MilesUserError(
+            f"data.label_key={cfg.label_key!r}: no row of {where} has that key; the rows have {keys}. Set "
+            "data.label_key to the column holding the ground truth (a dotted path for a nested one, e.g. "
+            "reward_model.ground_truth)"
+        )
+    if not any(_has_path(r, key) for r in records for key in _LABEL_FALLBACKS):
+        log.warning(
+            "no row of %s has a label (%s, nor %s); the rows have %s. Rewards that compare with a label will "
+            "score 0: set data.label_key to the column holding the ground truth",
+            where,
+            cfg.label_key,
+            " / ".join(_LABEL_FALLBACKS),
+            keys,
+        )
+
+
+def rows_from_records(records: list[dict[str, Any]], cfg: DataConfig, where: str) -> list[PromptRow]:
+    """`row_from_record` of each record, after `check_label_key` over all of them (`where` names the data in
+    the error)."""
+    check_label_key(records, cfg, where)
+    return [row_from_record(r, cfg) for r in records]
+
+
 def row_from_record(record: dict[str, Any], cfg: DataConfig) -> PromptRow:
     """One dataset record -> PromptRow. verl's schema: `prompt` (chat messages), `reward_model.ground_truth`,
     `data_source`, `extra_info`."""
@@ -65,10 +127,9 @@ def row_from_record(record: dict[str, Any], cfg: DataConfig) -> PromptRow:
     if isinstance(prompt, list):
         prompt = [dict(m) for m in prompt]
     label = _get_path(record, cfg.label_key)
-    if label is None:
-        label = _get_path(record, "reward_model.ground_truth")
-    if label is None:
-        label = record.get("answer")
+    for fallback in _LABEL_FALLBACKS:
+        if label is None:
+            label = _get_path(record, fallback)
     metadata = {k: v for k, v in record.items() if k not in (cfg.prompt_key,)}
     metadata.setdefault("data_source", record.get("data_source") or "file")
     return PromptRow(prompt, label, metadata)
@@ -178,7 +239,7 @@ def load_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     elif source == "file":
         if not cfg.path:
             raise MilesUserError("data.source=file needs data.path=<jsonl | parquet | saved dataset folder>")
-        train, test = [row_from_record(r, cfg) for r in _load_records(cfg.path)], []
+        train, test = rows_from_records(_load_records(cfg.path), cfg, f"data.path={cfg.path}"), []
     else:
         raise MilesUserError(
             f"unknown data.source {source!r}; use synthetic_math, file (with data.path) or reasoning_gym:<task>"
@@ -191,7 +252,8 @@ def load_eval_file_rows(cfg: DataConfig) -> list[PromptRow]:
     picks one); [] without an eval path."""
     if not cfg.eval_path:
         return []
-    return [row_from_record(r, cfg) for r in _load_records(cfg.eval_path, EVAL_SPLITS, "data.eval_path")]
+    records = _load_records(cfg.eval_path, EVAL_SPLITS, "data.eval_path")
+    return rows_from_records(records, cfg, f"data.eval_path={cfg.eval_path}")
 
 
 def load_eval_rows(cfg: DataConfig) -> list[PromptRow]:

@@ -376,10 +376,15 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         return reduce_metrics(dp, metrics, metrics.get("eval/num_samples", len(prompts)))
 
     try:
+        # What loading the data dropped goes into the run's first record (log_step appends, it does not
+        # merge): step 0's when the start is evaluated, else step 1's, so metrics.jsonl keeps one record a
+        # step. A resumed run has it in the records of the run it goes on with.
+        unreported: dict[str, float] = {"data/dropped_prompts": float(dropped)} if first_step == 1 else {}
         if cfg.trainer.eval_every and test_prompts and first_step == 1:
             eval_metrics = run_eval()
             if tracker is not None:
-                tracker.log_step(0, {**eval_metrics, "data/dropped_prompts": float(dropped)})
+                tracker.log_step(0, {**eval_metrics, **unreported})
+            unreported = {}
         for step in range(first_step, cfg.trainer.max_steps + 1):
             step_start = time.perf_counter()
             if busy is not None:
@@ -504,7 +509,8 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             own["time/step"] = time.perf_counter() - step_start
             # The batch-wide values win where both have a key (`rollout/aborted` counts the samples a failed
             # generate plugin cost too, which the engine's counter does not).
-            metrics = {**reduce_metrics(dp, own, len(samples)), **metrics}
+            metrics = {**reduce_metrics(dp, own, len(samples)), **metrics, **unreported}
+            unreported = {}
             if tracker is not None:  # in one process's order (the ranks' samples come rank after rank)
                 tracker.log_samples(step, sorted(everyone, key=lambda s: (s.group_id, s.index)))
                 tracker.log_step(step, metrics)

@@ -118,10 +118,14 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
         return reduce_metrics(dp, eval_metrics, eval_metrics.get("eval/num_samples", len(prompts)))
 
     try:
+        # What loading the data dropped goes into the run's first record, as in the RL loop: step 0's when
+        # the start is evaluated, else step 1's.
+        unreported: dict[str, float] = {"data/dropped_prompts": float(inputs.dropped_prompts)}
         if eval_on:
             start_metrics = run_eval(0)
             if tracker is not None:
-                tracker.log_step(0, {**start_metrics, "data/dropped_prompts": float(inputs.dropped_prompts)})
+                tracker.log_step(0, {**start_metrics, **unreported})
+            unreported = {}
         for step in range(1, steps + 1):
             start = time.perf_counter()
             chunk = [data[i] for i in next(batches)]
@@ -137,6 +141,8 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
                 copy_policy_into(policy, model)
             if saving and dp.is_main:
                 save_checkpoint(model, tokenizer, run_dir, step, keep_last=cfg.trainer.keep_last)
+            metrics.update(unreported)
+            unreported = {}
             if tracker is not None:
                 tracker.log_step(step, metrics)
             last = metrics

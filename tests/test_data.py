@@ -173,3 +173,46 @@ def test_a_prompt_template_with_another_field_is_a_user_error() -> None:
     with pytest.raises(MilesUserError, match=r"takes \{prompt\} only"):
         formatter.text("2+2?")
     assert PromptFormatter(WordTokenizer(), DataConfig(prompt_template="{prompt} {{x}}")).text("a") == "a {x}"
+
+
+def _jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return str(path)
+
+
+def test_a_label_key_no_row_has_is_a_user_error(tmp_path: Path) -> None:
+    """A typo in data.label_key stops at start with the keys the rows have, instead of training on None."""
+    flat = _jsonl(tmp_path / "flat.jsonl", [{"prompt": "q0", "gold": "0"}, {"prompt": "q1", "gold": "1"}])
+    with pytest.raises(
+        MilesUserError, match=r"data.label_key='glod'.*\['gold', 'prompt'\].*Set data.label_key"
+    ):
+        load_rows(DataConfig(path=flat, label_key="glod"))
+    # A dotted key into verl's nested schema: the nested keys are listed under their dotted names.
+    verl = _jsonl(
+        tmp_path / "verl.jsonl", [{"prompt": "q", "reward_model": {"ground_truth": "4", "style": "rule"}}]
+    )
+    with pytest.raises(MilesUserError, match=r"'reward_model.ground_truth', 'reward_model.style'"):
+        load_rows(DataConfig(path=verl, label_key="reward_model.ground_truht"))
+    # The held-out file is checked too, naming its path.
+    with pytest.raises(MilesUserError, match="data.eval_path"):
+        load_rows(DataConfig(train_size=4, test_size=2, eval_path=flat, label_key="answer"))
+
+
+def test_label_keys_that_rows_do_have_keep_working(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Present but null in a row, or absent from some rows: those rows have no label (as before).
+    some = _jsonl(
+        tmp_path / "some.jsonl",
+        [{"prompt": "a", "gold": None}, {"prompt": "b", "gold": "2"}, {"prompt": "c"}],
+    )
+    assert [r.label for r in load_rows(DataConfig(path=some, label_key="gold"))[0]] == [None, "2", None]
+    verl = _jsonl(tmp_path / "verl.jsonl", [{"prompt": "q", "reward_model": {"ground_truth": "4"}}])
+    assert [r.label for r in load_rows(DataConfig(path=verl, label_key="reward_model.ground_truth"))[0]] == [
+        "4"
+    ]
+    assert [r.label for r in load_rows(DataConfig(path=verl))[0]] == ["4"]  # the default key's fallback
+    # The default key on prompts without labels (rewards that need none: format, length, a judge): a
+    # warning naming the key to set, not an error.
+    bare = _jsonl(tmp_path / "bare.jsonl", [{"prompt": "a", "target": "1"}])
+    with caplog.at_level("WARNING", logger="miles.data"):
+        assert [r.label for r in load_rows(DataConfig(path=bare))[0]] == [None]
+    assert "no row of" in caplog.text and "data.label_key" in caplog.text and "'target'" in caplog.text

@@ -282,6 +282,7 @@ def test_a_run_resumed_into_its_own_folder_logs_each_step_once(tmp_path: Path) -
     assert [r["step"] for r in metrics] == [1, 2, 3]
     assert [r["step"] for r in samples] == [r["step"] for r in first_samples] == [1] * 4 + [2] * 4 + [3] * 4
     assert metrics[0] == first_metrics[0] and samples[:4] == first_samples[:4]
+    assert "data/dropped_prompts" not in metrics[1]  # reported once, in the first run's first record
     for mine, theirs in zip(metrics[1:], first_metrics[1:], strict=True):  # the resumed run's own steps
         assert mine["reward/mean"] == theirs["reward/mean"] and mine["time/step"] != theirs["time/step"]
     assert not list(run.glob(".*.tmp"))
@@ -328,8 +329,41 @@ def test_sft_evaluates_as_the_rl_loop_does(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr[-3000:]
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         evaluated[every] = [(r["step"], "eval/accuracy" in r) for r in records]
+        # The prompts dropped at loading are in the first record, whether or not it holds an eval.
+        assert records[0]["data/dropped_prompts"] == 0.0
+        assert all("data/dropped_prompts" not in r for r in records[1:])
     assert evaluated[0] == [(1, False), (2, False)]
     assert evaluated[5] == [(0, True), (1, False), (2, True)]
+
+
+def test_dropped_prompts_are_logged_without_an_eval(tmp_path: Path) -> None:
+    """data/dropped_prompts (prompts over data.max_prompt_length) is in the first record of metrics.jsonl
+    with trainer.eval_every=0 too (step 1's: no step-0 record without an eval)."""
+    from miles.config import DataConfig
+    from miles.data import PromptFormatter, load_rows, to_samples
+    from miles.model_io import load_model
+
+    data = DataConfig(train_size=32, test_size=4, max_prompt_length=80)
+    tokenizer = load_model("builtin:tiny_moe_math", "float32", "cpu").tokenizer
+    _, expected = to_samples(load_rows(data)[0], PromptFormatter(tokenizer, data), data.max_prompt_length)
+    assert 0 < expected < data.train_size  # (the grpo_math prompts are 75 to 89 tokens long)
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        "trainer.max_steps=1",
+        "trainer.eval_every=0",
+        "trainer.save_final=false",
+        f"data.train_size={data.train_size}",
+        f"data.test_size={data.test_size}",
+        f"data.max_prompt_length={data.max_prompt_length}",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "trainer.global_batch_size=4",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    assert records[0]["data/dropped_prompts"] == float(expected)
 
 
 def test_a_checkpoint_is_fsynced_before_and_after_its_rename(tmp_path: Path, monkeypatch) -> None:
