@@ -119,8 +119,11 @@ class EngineClient:
 
     @property
     def max_context(self) -> int:
-        """Tokens a turn's prompt and response may hold together."""
-        return self._rollout.engine.max_context
+        """Tokens a turn's prompt and response may hold together: the model's context, or fewer where the
+        engine's KV pool is smaller (a request's newest token needs no slot, so it reaches the pool's size + 1)."""
+        engine = self._rollout.engine
+        pool = getattr(engine, "pool", None)
+        return engine.max_context if pool is None else min(engine.max_context, pool.capacity_tokens + 1)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -134,13 +137,20 @@ class EngineClient:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
         """One model turn after `prompt_ids`: a Sample whose response is the new tokens (status aborted with
-        `metadata["error"]` if the engine refused the prompt, e.g. longer than the model's context)."""
+        `metadata["error"]` if the engine refused the prompt, e.g. longer than `max_context`; truncated where
+        the turn reaches `max_context`)."""
         ids = [int(t) for t in prompt_ids]  # a malformed list fails here, in the plugin: its sample only
         key = prompt_key(ids)
         branch = self._branches.get(key, 0)
         self._branches[key] = branch + 1
         seed = params.seed if params.seed is None or branch == 0 else derive_seed(params.seed, branch)
-        return await self._rollout._submit(self, ids, params.with_(n=1, seed=seed), self._sample)
+        # A turn that outgrows a KV pool smaller than the context would be aborted by the engine, which drops
+        # the whole trajectory from training: capped here, it ends TRUNCATED where the engine can hold no more,
+        # as it does at the end of the context (the draws do not depend on the cap).
+        room = self.max_context - len(ids)
+        limit = min(params.max_new_tokens, room) if room >= 1 else params.max_new_tokens  # else refused
+        turn = params.with_(n=1, seed=seed, max_new_tokens=limit)
+        return await self._rollout._submit(self, ids, turn, self._sample)
 
 
 class MultiTurnRollout:

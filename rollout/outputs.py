@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from miles.rollout.request import Request
@@ -22,20 +23,81 @@ def finish_status(req: Request, eos_ids: set[int], max_context: int, tokenizer: 
 
 
 def hit_stop_string(req: Request, tokenizer: Any) -> bool:
-    """Whether the text now contains a stop string; if so `req.stop_text` is the text before the first."""
+    """Whether the text now contains a stop string; if so `req.stop_text` is the text before the first.
+
+    Stop strings are matched in the text with special tokens kept (as SGLang's check decodes it), so one that is
+    a special token's text ("<|im_end|>", a "</think>" marked special) stops when that token is generated; and,
+    where special tokens were generated, also in the text users get (special tokens left out), where a stop
+    string may span one. The text before the stop string leaves special tokens out, as every response text does.
+    """
     # The look-back is counted in tokens, so it is sized by the stop strings' UTF-8 bytes, not characters: a
-    # token holds at least a byte (byte-level BPE splits a rare character into one token per byte), and the
-    # margin covers a stop string that starts inside a token.
-    window = max(len(s.encode()) for s in req.params.stop) + 8
-    tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
-    if not any(s in tail for s in req.params.stop):
+    # token holds at least a byte (byte-level BPE splits a rare character into one token per byte; a special
+    # token more), and the margin covers a stop string that starts inside a token.
+    stops = req.params.stop
+    window = max(len(s.encode()) for s in stops) + 8
+    tail_ids = req.output_ids[-window:]
+    texts: list[str] = []
+    tail = tokenizer.decode(tail_ids, skip_special_tokens=False)
+    cuts = [i for i in (tail.find(s) for s in stops) if i >= 0]
+    if cuts:
+        texts.append(_text_before(req.output_ids, tail_ids, tail, min(cuts), tokenizer))
+    # Without special tokens in the tail both texts are the same: one decode a step, as before.
+    special = not _special_ids(tokenizer).isdisjoint(tail_ids)
+    if special and any(s in tokenizer.decode(tail_ids, skip_special_tokens=True) for s in stops):
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if cuts:
+            texts.append(text[: min(cuts)])
+    if not texts:
         return False
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
-    cuts = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-    if not cuts:
-        return False
-    req.stop_text = text[: min(cuts)]
+    req.stop_text = min(texts, key=len)  # both matched: the earlier stop string
     return True
+
+
+def _text_before(ids: list[int], tail_ids: list[int], tail: str, cut: int, tokenizer: Any) -> str:
+    """The response text before character `cut` of `tail` (the text of `tail_ids`, the last of `ids`, with
+    special tokens kept), with special tokens left out."""
+    # Decoding `ids` with special tokens skipped keeps the tokenizer's own joining (spaces, bytes split over
+    # tokens), which no edit of the text with special tokens kept could (it cannot tell a special token from
+    # its text spelled in ordinary tokens): find the tail's tokens wholly before the cut (by bisection: the
+    # decoded prefixes only grow).
+    lo, hi = 0, len(tail_ids)  # the most tokens whose text ends at or before the cut: in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer.decode(tail_ids[:mid], skip_special_tokens=False)) <= cut:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = tokenizer.decode(ids[: len(ids) - len(tail_ids) + lo], skip_special_tokens=True)
+    # The stop string starts inside the next token's text: its part before the cut, unless it is a special
+    # token's (left out).
+    if lo < len(tail_ids) and tail_ids[lo] not in _special_ids(tokenizer):
+        text += tail[len(tokenizer.decode(tail_ids[:lo], skip_special_tokens=False)) : cut]
+    return text
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+"""Per tokenizer, its `_special_ids` (a Llama 3 tokenizer's 256 reserved tokens take ~0.3 ms to list)."""
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids `decode(skip_special_tokens=True)` leaves out: a tokenizers backend leaves out every added token
+    marked special, also those missing from `all_special_ids` (the tiny models' `<|endoftext|>` and
+    `<|im_start|>`); a Python tokenizer leaves out `all_special_ids`."""
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced is not cached
+        pass
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = frozenset(
+        {int(i) for i, token in added.items() if getattr(token, "special", False)}
+        | {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
+    )
+    try:
+        _SPECIAL_IDS[tokenizer] = ids
+    except TypeError:
+        pass
+    return ids
 
 
 def to_sample(

@@ -32,8 +32,9 @@ assistant's turn itself is not used, the model's own tokens stay, so the trained
 sampled ones. Where a template renders the assistant's turn differently once tool turns follow it (Qwen3's
 gives a last turn without reasoning an empty thinking block, and drops it then), the environment's tokens are
 what follows the turn's end-of-turn token (its last token's text) in the conversation with the tool turns. `metadata["tool_calls"]` counts the calls made, `metadata["tool_errors"]` those that failed.
-Tool answers that leave no room in the context (`client.max_context`) for another model token end the
-trajectory as TRUNCATED, without them: the model's turns so far still train.
+Tool answers that leave no room in the context (`client.max_context`: the model's, or the engine's KV pool where
+that is smaller) for another model token end the trajectory as TRUNCATED, without them: the model's turns so far
+still train; so does a model turn that reaches that limit (the client caps it there).
 """
 
 from __future__ import annotations

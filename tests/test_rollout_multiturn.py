@@ -325,3 +325,32 @@ def test_a_trajectory_whose_turn_the_engine_refused_keeps_the_reason() -> None:
     assert "error" not in traj.to_sample().metadata and traj.to_sample().status == SampleStatus.COMPLETED
     assert not engine.has_unfinished
     assert_pool_clean(engine)
+
+
+def test_a_turn_that_outgrows_a_kv_pool_smaller_than_the_context_is_truncated() -> None:
+    """The engine aborts a request that outgrows its KV pool (which drops a trajectory from training): the
+    client caps a turn where the pool ends, so it ends TRUNCATED there, with the tokens it would have drawn."""
+    from miles.rollout.kv_pool import KVLayout
+
+    model = tiny_model(False, seed=1)
+    per_token = KVLayout.for_model(model.args, model.dtype, 1, False).bytes_per_token
+    engine = Engine(model, None, config(kv_cache_bytes=(40 + 1) * per_token))
+    assert engine.pool.capacity_tokens == 40 < engine.max_context
+    seen: list[int] = []
+
+    async def one_turn(client: EngineClient, sample: Sample, params: SamplingParams) -> Sample:
+        seen.append(client.max_context)
+        traj = Trajectory(sample)
+        traj.add_turn(await client.generate(traj.ids, params))
+        return traj.to_sample()
+
+    params = PARAMS.with_(max_new_tokens=100)
+    out = MultiTurnRollout(engine, one_turn).generate(PROMPTS[:2], params)
+    free = Engine(model, None, config()).generate(PROMPTS[:2], params)
+    assert seen == [41] * 4
+    for s, ref in zip(out, free, strict=True):
+        assert s.status == SampleStatus.TRUNCATED and "error" not in s.metadata, s.metadata
+        assert len(s.prompt_ids) + len(s.response_ids) == 41
+        assert s.response_ids == ref.response_ids[: len(s.response_ids)]
+    assert not engine.has_unfinished
+    assert_pool_clean(engine)

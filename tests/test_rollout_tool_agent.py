@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from rollout_helpers import assert_pool_clean
 from test_rollout_tool_calls import TOOL_TEMPLATE
 
 from miles.config import RolloutConfig
@@ -230,3 +231,55 @@ def test_the_plugin_runs_on_the_engine(tokenizer: Any) -> None:
     for s in out:
         assert '"name": "get_weather"' in tokenizer.decode(s.prompt_ids)
         assert s.metadata["turns"] == 1 and s.metadata["tool_calls"] == 0 and all(s.loss_mask)
+
+
+@pytest.mark.parametrize("limit", ["kv_pool", "context"])
+@pytest.mark.parametrize("turns", ["short", "long"])
+def test_a_conversation_that_outgrows_the_engine_ends_as_truncated(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, limit: str, turns: str
+) -> None:
+    """On the real engine, with a KV pool (or a context) that the conversation outgrows: by its tool answers
+    (short turns) or within a model turn (long turns). A pool smaller than the context bounds a request too: the
+    engine refuses a prompt past it and aborts a turn that outgrows it, and either would drop the whole
+    trajectory from training (ABORTED). It ends as a length cut instead, within what the engine holds, with
+    the model's turns trained on."""
+    import miles.rollout.tool_agent as module
+    from miles.rollout.kv_pool import KVLayout
+    from miles.rollout.tool_calls import ParsedReply, ToolCall
+
+    def lookup(q: str) -> str:
+        """Looks something up.
+
+        Args:
+            q: the query
+        """
+        return "y" * 40
+
+    # The tiny model calls no tools: read every turn that ends as a call.
+    monkeypatch.setattr(
+        module, "parse_reply", lambda text: ParsedReply(content=text, calls=[ToolCall("lookup", {"q": "a"})])
+    )
+    loaded = load_model("builtin:tiny_moe_math")
+    model = loaded.model
+    per_token = KVLayout.for_model(model.args, model.dtype, 1, False).bytes_per_token
+    cfg = RolloutConfig(kv_cache_bytes=(480 + 1) * per_token)
+    if limit == "context":
+        cfg = RolloutConfig(max_context=481)
+    engine = Engine(model, tokenizer, cfg)
+    holds = min(engine.max_context, engine.pool.capacity_tokens + 1)  # the most tokens a request reaches
+    assert holds == 481 and (limit == "context") == (engine.max_context == holds)
+    # Short turns: any token ends a turn. Long turns: the first runs until the engine can hold no more.
+    stop_ids = list(range(len(tokenizer))) if turns == "short" else []
+    params = SamplingParams(n=2, max_new_tokens=2000, seed=1, stop_token_ids=stop_ids, ignore_eos=True)
+    rollout = MultiTurnRollout(engine, tool_agent([lookup], max_turns=50))
+    out = rollout.generate([Sample(prompt="go")], params)
+    for s in out:
+        assert s.status == SampleStatus.TRUNCATED and "error" not in s.metadata, s.metadata
+        assert len(s.prompt_ids) + len(s.response_ids) <= holds
+        trained = sum(s.loss_mask)
+        if turns == "short":  # a token a turn; the last turn's call was answered past the room left
+            assert trained == s.metadata["turns"] == s.metadata["tool_calls"] > 1
+        else:
+            assert s.metadata["turns"] == 1 and trained == len(s.response_ids) == holds - len(s.prompt_ids)
+    assert rollout.metrics() == {"rollout/generate_errors": 0.0} and not engine.has_unfinished
+    assert_pool_clean(engine)
