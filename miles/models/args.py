@@ -18,6 +18,70 @@ _ARCHITECTURES = {
 }
 
 
+_HF_DEFAULT_ROPE_THETA = 10_000.0
+"""transformers' `rope_theta` when a config.json gives none (every config class here)."""
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+    ),
+}
+"""The architecture defaults of transformers' `LlamaConfig`, `Qwen3Config` and `Qwen3MoeConfig`: what a field
+left out of config.json means to transformers, where this dataclass's own defaults (Qwen3-0.6B-like, for
+code that builds `ModelArgs` directly) differ. Token ids are not filled in (they are generation settings,
+which the tokenizer and generation_config.json give)."""
+_ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
+
+
+def _hf_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None for plain RoPE) as transformers 5 resolves them: the 4.x
+    `rope_scaling` if set, else `rope_parameters`; `rope_theta` from that dict first, then the top-level field,
+    then 10000; a top-level `original_max_position_embeddings` overrides the dict's for the scaled types."""
+    parameters = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    theta = parameters.pop("rope_theta", None)
+    if theta is None:
+        theta = config.get("rope_theta")
+    if theta is None:
+        theta = _HF_DEFAULT_ROPE_THETA
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type in _ORIGINAL_CONTEXT_TYPES and config.get("original_max_position_embeddings") is not None:
+        parameters["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    return theta, parameters
+
+
 @dataclass
 class ModelArgs:
     model_type: str = "qwen3"
@@ -63,6 +127,11 @@ class ModelArgs:
             )
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.mlp_bias and self.model_type != "llama":
+            raise ValueError(
+                f"mlp_bias=True is a Llama option: {self.model_type} MLPs have no bias in transformers, which "
+                "would drop the biases of a checkpoint written with them"
+            )
         if self.model_type != "qwen3_moe":
             self.num_experts = 0
 
@@ -101,20 +170,27 @@ class ModelArgs:
 
     @classmethod
     def from_hf_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        """Read a Hugging Face config.json as transformers reads it: a field it leaves out takes the default of
+        its transformers config class (`_HF_DEFAULTS`, not this dataclass's), and RoPE settings follow
+        transformers' precedence (see `_hf_rope`)."""
         config = dict(config)
+        model_type = config.get("model_type")
+        if model_type is None:
+            raise ValueError(
+                "config.json has no model_type; miles reads Hugging Face configs of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (transformers needs the field too)"
+            )
         if config.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported (miles attends over the full context)")
         if "num_local_experts" in config and "num_experts" not in config:  # transformers 5's name
             config["num_experts"] = config.pop("num_local_experts")
-        # transformers 5 stores RoPE settings under `rope_parameters`; 4.x used rope_theta + rope_scaling.
-        rope_parameters = config.pop("rope_parameters", None) or {}
-        if "rope_theta" not in config and "rope_theta" in rope_parameters:
-            config["rope_theta"] = rope_parameters["rope_theta"]
-        if config.get("rope_scaling") is None and rope_parameters.get("rope_type", "default") != "default":
-            config["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-        scaling = config.get("rope_scaling")
-        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            config["rope_scaling"] = None
+        if model_type != "llama":
+            config.pop("mlp_bias", None)  # Qwen3's MLPs have no bias; transformers ignores the field
+        for key, value in _HF_DEFAULTS.get(model_type, {}).items():
+            config.setdefault(key, value)
+        if config.get("num_key_value_heads") is None and config.get("num_attention_heads") is not None:
+            config["num_key_value_heads"] = config["num_attention_heads"]  # transformers: MHA
+        config["rope_theta"], config["rope_scaling"] = _hf_rope(config)
         known = cls.__dataclass_fields__
         args = cls(**{k: v for k, v in config.items() if k in known and v is not None or k == "head_dim"})
         return args

@@ -36,16 +36,17 @@ def rope_frequencies(args: ModelArgs) -> tuple[torch.Tensor, float]:
     if rope_type == "linear":
         return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling), 1.0
+        return _llama3_inv_freq(inv_freq, scaling, args.max_position_embeddings), 1.0
     if rope_type == "yarn":
         return _yarn_frequencies(args, exponents, scaling)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int) -> torch.Tensor:
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
+    # Left out, transformers takes max_position_embeddings as the original context (as for YaRN).
+    old_context = scaling.get("original_max_position_embeddings") or max_position_embeddings
     low_freq_wavelen, high_freq_wavelen = old_context / low_freq_factor, old_context / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
