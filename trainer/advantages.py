@@ -36,6 +36,15 @@ def rewards_tensor(samples: list[Sample]) -> torch.Tensor:
     return rewards
 
 
+def _centre(rewards: torch.Tensor) -> torch.Tensor:
+    """rewards - their mean; exactly 0 when all rewards are equal. The float mean of equal rewards can be off
+    by an ulp (7 x 0.7 averages to 0.7 + 1.1e-16), which the std division turns into a same-signed ~1e-10
+    advantage on every sample of a group that carries no signal (AdamW then scales it up)."""
+    if rewards.numel() > 0 and bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)
+    return rewards - rewards.mean()
+
+
 def _group_centred(samples: list[Sample], normalize_std: bool) -> list[float]:
     rewards = rewards_tensor(samples)
     advantages = torch.zeros_like(rewards)
@@ -43,7 +52,7 @@ def _group_centred(samples: list[Sample], normalize_std: bool) -> list[float]:
         if len(idx) < 2:  # no baseline from a group of one: it carries no learning signal
             continue
         group = rewards[idx]
-        centred = group - group.mean()
+        centred = _centre(group)
         if normalize_std:
             centred = centred / (group.std(unbiased=True) + STD_EPS)
         advantages[idx] = centred
@@ -72,7 +81,7 @@ def rloo(samples: list[Sample], cfg: AlgorithmConfig) -> list[float]:
         if n < 2:
             continue
         group = rewards[idx]
-        advantages[idx] = (group - group.mean()) * n / (n - 1)
+        advantages[idx] = _centre(group) * n / (n - 1)
     return advantages.tolist()
 
 
@@ -80,4 +89,4 @@ def rloo(samples: list[Sample], cfg: AlgorithmConfig) -> list[float]:
 def reinforce(samples: list[Sample], cfg: AlgorithmConfig) -> list[float]:
     """REINFORCE with the batch-mean baseline: r - mean over the whole batch (groups ignored)."""
     rewards = rewards_tensor(samples)
-    return (rewards - rewards.mean()).tolist()
+    return _centre(rewards).tolist()

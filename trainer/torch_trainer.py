@@ -212,7 +212,7 @@ class TorchTrainer:
             if tis_cap is not None:
                 metrics.update(_tis_weights(old, rollout, masks, tis_cap, self.dp)[1])
         metrics.update(_summarise(step_metrics))
-        if self.ref_model is None:
+        if ref is None:  # kl_coef = 0: no KL term, even when a reference model was given
             metrics["train/kl"] = 0.0
         # fwd+bwd per epoch, plus the old-logprob and reference forwards
         passes = 3 * epochs + (0 if on_policy else 1) + (1 if ref is not None else 0)
