@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     test_rows = load_eval_rows(data_cfg)
     prompts, dropped = to_samples(test_rows[: args.num], formatter, data_cfg.max_prompt_length)
     engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig())
-    with RewardRunner(RewardConfig(fn=args.reward, num_workers=0)) as rewards:
+    with RewardRunner(RewardConfig(fn=args.reward, num_workers=0), engine=engine) as rewards:
         eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
         metrics, _ = evaluate(engine.generate, rewards, prompts, args.max_new_tokens, eos, [])
     metrics["eval/dropped_prompts"] = float(dropped)

@@ -121,6 +121,14 @@ class RunInputs:
     test_prompts: list[Sample]
     dropped_prompts: int
     stop_token_ids: list[int]
+    dropped_eval_prompts: int = 0  # held-out prompts over data.max_prompt_length: the eval runs without them
+
+
+def dropped_metrics(inputs: RunInputs) -> dict[str, float]:
+    return {
+        "data/dropped_prompts": float(inputs.dropped_prompts),
+        "data/dropped_eval_prompts": float(inputs.dropped_eval_prompts),
+    }
 
 
 def prepare_inputs(cfg: MilesConfig, dp: DataParallel = SINGLE) -> RunInputs:
@@ -131,9 +139,9 @@ def prepare_inputs(cfg: MilesConfig, dp: DataParallel = SINGLE) -> RunInputs:
     formatter = PromptFormatter(loaded.tokenizer, cfg.data, cfg.model.chat_template)
     train_rows, test_rows = load_rows(cfg.data)
     train_prompts, dropped = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
-    test_prompts, _ = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
+    test_prompts, dropped_eval = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
     eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
-    return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos)
+    return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos, dropped_eval)
 
 
 _SCHEDULE_KEYS = (
@@ -216,7 +224,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         _check_draft_training(cfg)  # before the models load
     inputs = prepare_inputs(cfg, dp)
     model, tokenizer, eos = inputs.model, inputs.tokenizer, inputs.stop_token_ids
-    train_prompts, test_prompts, dropped = inputs.train_prompts, inputs.test_prompts, inputs.dropped_prompts
+    train_prompts, test_prompts = inputs.train_prompts, inputs.test_prompts
     loader = PromptLoader(train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
 
     if cfg.rollout.generate_fn and cfg.trainer.routing_replay:
@@ -379,7 +387,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         # What loading the data dropped goes into the run's first record (log_step appends, it does not
         # merge): step 0's when the start is evaluated, else step 1's, so metrics.jsonl keeps one record a
         # step. A resumed run has it in the records of the run it goes on with.
-        unreported: dict[str, float] = {"data/dropped_prompts": float(dropped)} if first_step == 1 else {}
+        unreported = dropped_metrics(inputs) if first_step == 1 else {}
         if cfg.trainer.eval_every and test_prompts and first_step == 1:
             eval_metrics = run_eval()
             if tracker is not None:

@@ -16,7 +16,7 @@ from miles.config import MilesConfig
 from miles.distributed import SINGLE, DataParallel, reduce_metrics
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
-from miles.loop import prepare_inputs, save_checkpoint
+from miles.loop import dropped_metrics, prepare_inputs, save_checkpoint
 from miles.sample import Sample
 from miles.tracking import Tracker, redact
 
@@ -108,7 +108,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
         if engine is None:
             # its KV pool leaves the updates' gradients (and AdamW's moments before the first) free
             engine = Engine(model, tokenizer, cfg.rollout, reserve_bytes=trainer.memory_reserve_bytes())
-            rewards = RewardRunner(cfg.reward)
+            rewards = RewardRunner(cfg.reward, engine=engine)  # a judge reward may drive the engine
         engine.update_weights([], step)
         eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         prompts = dp.shard(test_prompts)
@@ -120,7 +120,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     try:
         # What loading the data dropped goes into the run's first record, as in the RL loop: step 0's when
         # the start is evaluated, else step 1's.
-        unreported: dict[str, float] = {"data/dropped_prompts": float(inputs.dropped_prompts)}
+        unreported = dropped_metrics(inputs)
         if eval_on:
             start_metrics = run_eval(0)
             if tracker is not None:

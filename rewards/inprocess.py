@@ -43,7 +43,8 @@ class _Helper:
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.abandoned = False
-        threading.Thread(target=self._loop, name="miles-reward-helper", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="miles-reward-helper", daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
         while True:
@@ -151,4 +152,8 @@ class InProcessExecutor:
             self._loop = None
         if self._helper is not None:
             self._helper.jobs.put(None)
+            # Joined, not left to die at exit: a daemon thread that ran torch (the judge's engine) and is
+            # frozen mid-exit aborted the process ("terminate called without an active exception", rc -6)
+            # after its work was done.
+            self._helper.thread.join(CLOSE_TIMEOUT_S)
             self._helper = None

