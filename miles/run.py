@@ -63,6 +63,10 @@ def check_supported(config: MilesConfig) -> None:
             )
 
 
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")
+"""Built-in estimators whose baseline is the prompt's other samples."""
+
+
 def check_algorithm(config: MilesConfig) -> None:
     """Settings the loop reads only once a step has been generated fail at start instead (a typo in
     algorithm.advantage would otherwise surface after the models loaded and the first rollout ran)."""
@@ -108,6 +112,17 @@ def check_algorithm(config: MilesConfig) -> None:
     ):
         if value < 1:
             raise MilesUserError(f"rollout.{key} must be at least 1, got {value}")
+    if (
+        rollout.n_samples_per_prompt == 1
+        and algorithm.advantage in GROUP_BASELINES
+        and not rollout.generate_fn
+    ):
+        # A group of one has no baseline: every advantage would be 0 and the run would learn nothing.
+        raise MilesUserError(
+            f"algorithm.advantage={algorithm.advantage} compares the samples of one prompt, and "
+            "rollout.n_samples_per_prompt=1 leaves each alone (every advantage 0, nothing learned): set "
+            "rollout.n_samples_per_prompt to 2 or more, or algorithm.advantage=reinforce (a batch-mean baseline)"
+        )
     if config.trainer.routing_replay and not rollout.record_routing:
         raise MilesUserError(
             "trainer.routing_replay replays the experts the engine chose at rollout: set "

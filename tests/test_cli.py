@@ -95,6 +95,7 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["algorithm.group_filter=nonzero", "trainer.max_steps=1"], "algorithm.group_filter 'nonzero'"),
         (["algorithm.filter_max_batches=0", "trainer.max_steps=1"], "filter_max_batches must be at least 1"),
         (["algorithm.overlong_buffer=24", "trainer.max_steps=1"], "algorithm.overlong_buffer=24 must be 0"),
+        (["rollout.n_samples_per_prompt=1", "trainer.max_steps=1"], "every advantage 0, nothing learned"),
         (["trainer.tensor_parallel_size=2"], "needs trainer.backend=megatron"),
         (
             ["trainer.backend=megatron", "trainer.tensor_parallel_size=2"],
