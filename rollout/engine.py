@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,10 @@ class Engine:
                     f"max_position_embeddings, times YaRN's factor), got {cfg.max_context}"
                 )
             self.max_context = cfg.max_context
+        self.max_seq_len = min(self.max_context, self.pool.capacity_tokens + 1)
+        """Tokens a request's prompt and response may hold together: the context, or fewer where the KV pool
+        is smaller (the newest token needs no slot). A request that reaches it ends TRUNCATED, as at the end
+        of the context, instead of failing for want of a slot it could never get."""
         table = RequestTable(
             cfg.max_running_requests, min(self.max_context, self.pool.capacity_tokens), self.device
         )
@@ -530,7 +534,7 @@ class Engine:
             end_ids=None
             if params.stop
             else frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_ids),
-            room=self.max_context - len(prompt),
+            room=self.max_seq_len - len(prompt),
         )
         self._requests[rid] = req
         self._alternative_requests += bool(params.top_logprobs)
@@ -679,7 +683,7 @@ class Engine:
                 or (self._alternative_requests and any(r.params.top_logprobs for r in running))
             ):
                 return
-            room = self.max_context
+            room = self.kv.table.max_context  # positions a request's KV may take: the context's or the pool's
             if not all(
                 r.is_decoding and r.output_ids and min(r.remaining_tokens - 1, room - r.seq_len) >= k
                 for r in running
@@ -694,8 +698,9 @@ class Engine:
             # A request that wants alternatives gets none for draft rows (`_resolve` reads them per plain row).
             if not (req.is_decoding and req.can_grow and req.output_ids) or req.params.top_logprobs:
                 continue
-            # Bounded so that the kept tokens never pass max_new_tokens or the context.
-            k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.max_context - req.seq_len)
+            # Bounded so that the kept tokens never pass max_new_tokens or the context, and so that the verify
+            # chunk's KV (the sequence and its k drafts) fits the request's table row: min(context, pool).
+            k = min(cfg.spec_draft_tokens, req.remaining_tokens - 1, self.kv.table.max_context - req.seq_len)
             if k > 0:
                 wanted.append((req, k))
         wanted = self._runnable_drafts(wanted, graph_limit > 0)
@@ -951,6 +956,8 @@ class Engine:
                 if self.tokenizer is None:
                     raise ValueError("chat-message prompts need a tokenizer (or fill Sample.prompt_ids)")
                 ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding here, 4.x a list
+                    ids = ids["input_ids"]
                 return [int(t) for t in ids]
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -1159,7 +1166,7 @@ class Engine:
         finished: list[Sample] = []
         cuts: list[tuple[Request, int]] = []
         row = plain = 0
-        eos_ids, max_context, tokenizer = self.eos_ids, self.max_context, self.tokenizer
+        eos_ids, max_context, tokenizer = self.eos_ids, self.max_seq_len, self.tokenizer
         pending = SampleStatus.PENDING
         head_rows: dict[int, int] | None = {} if step.hidden is not None else None
         for c in step.sampled:
@@ -1220,7 +1227,7 @@ class Engine:
             req.output_ids.append(int(token))
             req.logprobs.append(float(logprob))
             kept += 1
-            status = finish_status(req, self.eos_ids, self.max_context, self.tokenizer)
+            status = finish_status(req, self.eos_ids, self.max_seq_len, self.tokenizer)
             matched = j < len(draft) and int(token) == draft[j]
             accepted += matched
             if status is not None or not matched:

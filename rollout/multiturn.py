@@ -122,8 +122,7 @@ class EngineClient:
         """Tokens a turn's prompt and response may hold together: the model's context, or fewer where the
         engine's KV pool is smaller (a request's newest token needs no slot, so it reaches the pool's size + 1)."""
         engine = self._rollout.engine
-        pool = getattr(engine, "pool", None)
-        return engine.max_context if pool is None else min(engine.max_context, pool.capacity_tokens + 1)
+        return getattr(engine, "max_seq_len", engine.max_context)  # (stand-in engines may have no pool)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -57,7 +57,8 @@ class Request:
     """The token ids that end it (EOS unless `ignore_eos`, and `stop_token_ids`), fixed when it is added;
     None (stop strings, or not set) checks every token in full (`outputs.finish_status`)."""
     room: int = 0
-    """Output tokens the model's context leaves after the prompt."""
+    """Output tokens the prompt leaves room for: up to the model's context, or the KV pool's capacity + 1
+    where that is smaller (`Engine.max_seq_len`)."""
     pending_index: int = -1
     """Row of the newest output token in its step's sampled tokens while that token is still on the device
     (`output_ids[-1]` is then the placeholder -1); -1 when every output token is known."""

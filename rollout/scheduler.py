@@ -269,7 +269,8 @@ class Scheduler:
         A request that ignores EOS and has no stop condition will use every one of its tokens: reserving
         fewer admits requests that must later be retracted and recomputed.
         """
-        # The context may end it first (`req.room`): a max_new_tokens past it must not hold the pool.
+        # The context (or the pool's size) may end it first (`req.room`): a max_new_tokens past it must not
+        # hold the pool.
         remaining = min(
             max(req.remaining_tokens, 0), max(req.room - len(req.output_ids), 0), _CLIP_NEW_TOKENS
         )

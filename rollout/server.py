@@ -380,11 +380,19 @@ class EngineServer:
             job.error = RequestError(HTTPStatus.BAD_REQUEST, sample.metadata["error"])
             return
         decoder = job.decoders.setdefault((position, index), _Detokenizer())
-        decoder.update(self.engine.tokenizer, sample.response_ids, final=True)
-        text = decoder.text
-        cuts = [i for i in (text.find(stop) for stop in job.params.stop) if i >= 0]
-        if cuts and sample.status == SampleStatus.COMPLETED:  # the engine stopped on a stop string
-            text = text[: min(cuts)]
+        # The non-streamed reply's text: a stop string is matched with special tokens' text too (outputs.py),
+        # which the streamed text (special tokens left out) cannot show, so it is not searched here. What was
+        # sent is a prefix of it: `_stream_partial` holds back len(stop) - 1 characters, and a stop string's
+        # characters in the text without special tokens are at most its own.
+        text = sample.response_text
+        if not text.startswith(decoder.sent):
+            # The pieces decoded so far join differently from the whole (a tokenizer's clean-up rules): finish
+            # the streamed text its own way, cut at the first stop string it shows.
+            decoder.update(self.engine.tokenizer, sample.response_ids, final=True)
+            text = decoder.text
+            cuts = [i for i in (text.find(stop) for stop in job.params.stop) if i >= 0]
+            if cuts and sample.status == SampleStatus.COMPLETED:
+                text = text[: min(cuts)]
         tail = text[len(decoder.sent) :] if text.startswith(decoder.sent) else ""
         job.events.put((position, index, tail, _FINISH.get(sample.status, "abort")))  # type: ignore[union-attr]
 

@@ -314,18 +314,55 @@ def test_generation_stops_at_the_context_length() -> None:
     assert s.status == SampleStatus.TRUNCATED and len(s.prompt_ids) + len(s.response_ids) == 24
 
 
-def test_a_request_larger_than_the_pool_fails_alone() -> None:
+def test_a_prompt_larger_than_the_pool_fails_alone() -> None:
     model = tiny_model(False, seed=3)
     engine = Engine(model, None, config(kv_cache_bytes=kv_bytes(model, 16)))
-    # PROMPTS[0] + 10 new tokens needs 17 slots: it can start but never finish.
+    # PROMPTS[0] + 10 new tokens would need 17 slots: it stops where the pool is full (the newest token needs
+    # none); PROMPTS[4] (20 tokens) can never start.
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
     samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
     assert samples[0].status == SampleStatus.TRUNCATED and len(samples[0].response_ids) == 10
-    assert samples[1].status == SampleStatus.ABORTED and "KV pool cannot hold" in samples[1].metadata["error"]
+    assert samples[1].status == SampleStatus.TRUNCATED and len(samples[1].response_ids) == 17 - 8
     assert (
         samples[2].status == SampleStatus.ABORTED and "KV pool holds only 16" in samples[2].metadata["error"]
     )
     assert_pool_clean(engine)
+
+
+POOL_CAPPED = {
+    "plain": {},
+    "pages_of_4": {"page_size": 4},  # 26 tokens of budget hold 6 pages of 4: 24 tokens
+    "speculative": {"speculative": "ngram"},
+    "speculative_pages_of_4": {"speculative": "ngram", "page_size": 4},
+}
+
+
+@pytest.mark.parametrize("setup", list(POOL_CAPPED))
+def test_a_request_that_outgrows_a_pool_smaller_than_the_context_is_truncated(setup: str) -> None:
+    """A request alone that reaches the pool's capacity ends TRUNCATED there (as at the context's end), with
+    the first tokens and logprobs an engine with room gives, instead of ABORTED with nothing to train on."""
+    model = tiny_model(False, seed=1)
+    with torch.no_grad():  # peaky logits: the model repeats itself, so n-gram drafts get proposed and kept
+        model.lm_head.weight.mul_(8.0)
+    overrides = POOL_CAPPED[setup]
+    page_size = int(overrides.get("page_size", 1))
+    budget = 26 if page_size > 1 else 24  # page-rounded down to 24 tokens
+    engine = Engine(model, None, config(kv_cache_bytes=kv_bytes(model, budget, page_size), **overrides))
+    assert engine.pool.capacity_tokens == 24
+    prompt = [1, 2, 3, 1, 2, 3]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    (wide,) = Engine(model, None, config()).generate([prompt], params)
+    for _ in range(2):  # the second time with the prompt in the radix cache
+        (s,) = engine.generate([prompt], params)
+        assert s.status == SampleStatus.TRUNCATED, s.metadata.get("error")
+        assert len(prompt) + len(s.response_ids) == 25  # the newest token needs no slot
+        assert s.response_ids == wide.response_ids[:19]
+        torch.testing.assert_close(
+            torch.tensor(s.rollout_logprobs), torch.tensor(wide.rollout_logprobs[:19]), atol=1e-5, rtol=0
+        )
+        assert_pool_clean(engine)
+    if engine.speculative:
+        assert engine.metrics()["rollout/spec_accepted_tokens"] > 0
 
 
 def generate_per_setting(

@@ -16,6 +16,8 @@ from miles.config import DataConfig, RolloutConfig
 from miles.data import PromptFormatter
 from miles.model_io import load_model
 from miles.rollout import Engine, SamplingParams
+from miles.rollout.outputs import hit_stop_string
+from miles.rollout.request import Request
 from miles.rollout.server import EngineServer
 from miles.sample import Sample, SampleStatus
 
@@ -352,6 +354,37 @@ def test_streamed_chat_never_sends_what_a_stop_string_takes_back(server: EngineS
     assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stop_string_with_a_special_token_cuts_the_streamed_text_as_the_whole(
+    loaded: Any, path: str
+) -> None:
+    """The stop string "x<|im_end|>" matches where the text with special tokens kept has it: the reply ends
+    before the "x", streamed or not, and no streamed piece ever held the "x" (nothing sent is taken back)."""
+    server = scripted_server(loaded.tokenizer, "the sum of 5 and 7 is 12, x<|im_end|>more", step_s=0.002)
+    try:
+        if path == "/v1/completions":
+            body: dict[str, Any] = {"prompt": "1+1=", "max_tokens": 40, "stop": ["x<|im_end|>"]}
+        else:
+            body = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 40,
+                "stop": ["x<|im_end|>"],
+            }
+        status, whole = call(server, path, body)
+        assert status == 200, whole
+        (choice,) = whole["choices"]
+        text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+        assert text == "the sum of 5 and 7 is 12, " and choice["finish_reason"] == "stop"
+        events = stream(server, path, body)
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+        pieces = [c["text"] if "text" in c else c["delta"].get("content") or "" for c in chunks]
+        assert "".join(pieces) == text and not any("x" in piece for piece in pieces), pieces
+        assert len([p for p in pieces if p]) > 2  # streamed as it was generated
+        assert chunks[-1]["finish_reason"] == "stop"
+    finally:
+        server.shutdown()
+
+
 def test_a_client_that_hangs_up_stops_its_generation(server: EngineServer) -> None:
     import socket
 
@@ -433,8 +466,9 @@ def test_the_detokenizer_streams_a_stop_string_s_multibyte_characters_not_at_all
 
 class ScriptedEngine:
     """An engine stand-in whose every request "generates" the tokens of `text`, one a step, `step_s` apart
-    (logprob -0.5; with `top_logprobs`, the token itself and `alternative` at -inf): fast tests of what the
-    server does around generation (hang-ups, held-back tool calls, token bytes)."""
+    (logprob -0.5; with `top_logprobs`, the token itself and `alternative` at -inf), stopping on stop strings
+    as the engine does (outputs.py): fast tests of what the server does around generation (hang-ups,
+    held-back tool calls, token bytes, stop strings)."""
 
     def __init__(self, tokenizer: Any, text: str, step_s: float = 0.0, alternative: int = 0) -> None:
         self.tokenizer, self.step_s, self.alternative = tokenizer, step_s, alternative
@@ -464,6 +498,7 @@ class ScriptedEngine:
 
     def step(self) -> None:
         time.sleep(self.step_s)
+        stop_texts: dict[int, str | None] = {}
         for rid, (prompt, params, out, index) in list(self.running.items()):
             if rid in self.aborting:
                 status, self.aborted = SampleStatus.ABORTED, self.aborted + 1
@@ -475,13 +510,17 @@ class ScriptedEngine:
                     if done
                     else None
                 )
+                req = Request(rid=rid, prompt_ids=prompt, params=params, seed=0, output_ids=out)
+                if params.stop and hit_stop_string(req, self.tokenizer):
+                    status, stop_texts[rid] = SampleStatus.COMPLETED, req.stop_text
             if status is None:
                 continue
             del self.running[rid]
+            text = stop_texts.get(rid)
             self.results[rid] = Sample(
                 prompt_ids=prompt,
                 response_ids=list(out),
-                response_text=self.tokenizer.decode(out, skip_special_tokens=True),
+                response_text=self.tokenizer.decode(out, skip_special_tokens=True) if text is None else text,
                 rollout_logprobs=[-0.5] * len(out),
                 status=status,
                 index=index,
