@@ -487,3 +487,18 @@ def test_a_failing_on_finish_aborts_its_call_and_leaves_the_engine_clean() -> No
         engine.generate(PROMPTS, GREEDY.with_(n=2), on_finish=fail)
     assert not engine.has_unfinished and not engine._results  # nothing left for a later call to find
     assert [s.response_ids for s in engine.generate(PROMPTS, GREEDY)] == [s.response_ids for s in before]
+
+
+def test_chat_message_prompts_are_tokenized_by_the_chat_template() -> None:
+    """A Sample of chat messages without prompt_ids is rendered by the tokenizer's chat template (under
+    transformers 5 `apply_chat_template(tokenize=True)` returns a BatchEncoding, whose keys are no ids)."""
+    from miles.model_io import load_model
+
+    loaded = load_model("builtin:tiny_moe_math", "float32", "cpu")
+    tokenizer = loaded.tokenizer
+    engine = Engine(loaded.model, tokenizer, config())
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    (out,) = engine.generate([Sample(prompt=messages)], GREEDY)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert out.status != SampleStatus.ABORTED and out.response_ids
