@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +37,9 @@ _LAUNCHED_ENV = "MILES_LAUNCHED_BY"
 """Set in the processes `launch` starts, so they do not launch again."""
 _STORE_ENV = "MILES_STORE_FILE"
 """The file the ranks of `launch` rendezvous in (no TCP port to pick)."""
+_CONFIG_ENV = "MILES_CONFIG_FILE"
+"""The resolved config the ranks of `launch` run, unredacted (the run folder's config.yaml may have its
+secrets masked), in the launch's private store folder."""
 
 
 @dataclass(frozen=True)
@@ -202,16 +205,32 @@ def check_devices(num_processes: int, device: str) -> None:
         )
 
 
-def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list[str] | None = None) -> int:
-    """Start `num_processes` ranks of the run whose resolved config is `run_dir/config.yaml` on this
-    machine and wait for them. If one fails, the others are stopped (a rank that died leaves the rest
-    waiting in a collective), and so are they all if this process is interrupted or terminated. Returns
-    the first non-zero exit code, or 0. (`command` replaces the rank's program, for tests.)"""
+def launch(
+    run_dir: Path,
+    num_processes: int,
+    poll_s: float = 0.2,
+    command: list[str] | None = None,
+    config_text: str | None = None,
+) -> int:
+    """Start `num_processes` ranks of the run whose resolved config is `config_text` (else
+    `run_dir/config.yaml`) on this machine and wait for them. The ranks read it from a copy in the launch's
+    private folder, so the run folder's config.yaml may have its secrets masked. If one fails, the others
+    are stopped (a rank that died leaves the rest waiting in a collective), and so are they all if this
+    process is interrupted or terminated. Returns the first non-zero exit code, or 0. (`command` replaces
+    the rank's program, for tests.)"""
     # The ranks meet in a file store made fresh for this launch: a TCP port probed free here could be taken
     # by another program before rank 0 binds it. The folder names its launcher, so one a killed launcher
     # left behind is removed by the next.
     _remove_stale_stores(Path(tempfile.gettempdir()))
-    store_dir = tempfile.mkdtemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")
+    store_dir = tempfile.mkdtemp(prefix=f"{_STORE_PREFIX}{os.getpid()}-")  # only this user may read it
+    config_env: dict[str, str] = {}
+    if config_text is None and (Path(run_dir) / "config.yaml").is_file():
+        config_text = (Path(run_dir) / "config.yaml").read_text()
+    if config_text is not None:
+        config_file = os.path.join(store_dir, "config.yaml")
+        with open(os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(config_text)
+        config_env[_CONFIG_ENV] = config_file
     procs: list[subprocess.Popen[bytes]] = []
 
     def terminated(signum: int, frame: object) -> None:
@@ -229,6 +248,7 @@ def launch(run_dir: Path, num_processes: int, poll_s: float = 0.2, command: list
                 "LOCAL_WORLD_SIZE": str(num_processes),
                 _STORE_ENV: os.path.join(store_dir, "store"),
                 _LAUNCHED_ENV: str(os.getpid()),
+                **config_env,
             }
             cmd = command or [sys.executable, "-m", "miles.distributed", str(run_dir)]
             procs.append(subprocess.Popen(cmd, env=env))
@@ -323,6 +343,7 @@ _SUMMED_ENDINGS = (
     "tokens_per_s",
     "bytes",
     "_steps",
+    "_drafts",
 )
 """Counts and rates: each rank's is its part of the whole, so they add (N engines make N times the tokens)."""
 
@@ -333,6 +354,9 @@ longest rank's."""
 _WEIGHTED_BY = {
     "rollout/prefix_hit_rate": "rollout/prompt_tokens",
     "rollout/spec_accept_length": "rollout/spec_steps",
+    # means over samples, where a generate plugin's prompt may give several (`eval/count` counts prompts)
+    "eval/reward_mean": "eval/num_samples",
+    "eval/response_length": "eval/num_samples",
 }
 """Means over something other than samples: each rank's weighs by its count of that."""
 
@@ -362,18 +386,27 @@ def combine_metrics(per_rank: list[dict[str, float]], weights: list[float]) -> d
         if key.endswith(_SUMMED_ENDINGS):
             out[key] = sum(values)
         elif key.endswith(_LARGEST_ENDINGS) or key.startswith("time/"):
-            out[key] = max(values)
+            out[key] = _extreme(values, max)
         elif key.endswith("/min"):
-            out[key] = min(values)
+            out[key] = _extreme(values, min)
         elif total <= 0:
             out[key] = sum(values) / len(values)
-        elif key.endswith("/std") and all(m.get(f"{prefix}/mean") is not None for _, _, m in have):
-            mean = sum(float(m[f"{prefix}/mean"]) * w for _, w, m in have) / total
-            second = sum((sd * sd + float(m[f"{prefix}/mean"]) ** 2) * w for sd, w, m in have) / total
-            out[key] = math.sqrt(max(second - mean * mean, 0.0))
         else:
-            out[key] = sum(v * w for v, w, _ in have) / total
+            # A rank with nothing to weigh (no samples) says nothing about a mean, whatever it reports (NaN).
+            have = [h for h in have if h[1] != 0]
+            if key.endswith("/std") and all(m.get(f"{prefix}/mean") is not None for _, _, m in have):
+                mean = sum(float(m[f"{prefix}/mean"]) * w for _, w, m in have) / total
+                second = sum((sd * sd + float(m[f"{prefix}/mean"]) ** 2) * w for sd, w, m in have) / total
+                out[key] = math.sqrt(max(second - mean * mean, 0.0))
+            else:
+                out[key] = sum(v * w for v, w, _ in have) / total
     return out
+
+
+def _extreme(values: list[float], pick: Callable[[list[float]], float]) -> float:
+    """The largest or smallest value, NaN when any rank's is (Python's max and min keep or drop a NaN by
+    its position, so a NaN on one rank would show or vanish with the ranks' order)."""
+    return math.nan if any(math.isnan(v) for v in values) else pick(values)
 
 
 def _weight(metrics: dict[str, float], key: str, prefix: str, default: float) -> float:
@@ -407,10 +440,12 @@ def _worker_main(run_dir: str) -> int:
 
     from miles.config import MilesConfig
     from miles.run import run
+    from miles.tracking import redact_logs
 
     _exit_with_launcher()
+    redact_logs()
     folder = Path(run_dir)
-    text = (folder / "config.yaml").read_text()
+    text = Path(os.environ.get(_CONFIG_ENV) or folder / "config.yaml").read_text()
     merged = OmegaConf.merge(OmegaConf.structured(MilesConfig), OmegaConf.create(text))
     config: MilesConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     try:

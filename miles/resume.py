@@ -180,11 +180,13 @@ def _meta(checkpoint: Path) -> dict[str, Any]:
 
 
 def _latest(checkpoints: list[Path]) -> Path | None:
-    """The checkpoint of the highest step (the last saved on a tie)."""
+    """The checkpoint saved last (the highest step on a tie), as `auto` picks. Not simply the highest step: a
+    run resumed into its own folder from an earlier checkpoint leaves the interrupted run's later ones there
+    (another course of the run, whose records its metrics.jsonl no longer holds) until it saves them over."""
     resumable = [c for c in checkpoints if _resumable(c)]
     if not resumable:
         return None
-    return max(resumable, key=lambda c: (_meta(c)["step"], _meta(c).get("saved_at", 0.0)))
+    return max(resumable, key=lambda c: (_meta(c).get("saved_at", 0.0), _meta(c)["step"]))
 
 
 def find_checkpoint(spec: str, run_dir: Path, recipe: str | None = None) -> Path:

@@ -10,6 +10,9 @@ import json
 import logging
 import math
 import os
+import re
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +21,33 @@ from miles.errors import MilesUserError
 from miles.sample import Sample
 
 log = logging.getLogger("miles.tracking")
-_SECRET_ENDINGS = ("api_key", "apikey", "token", "secret", "password", "passwd", "credentials")
-"""Config keys whose values are masked: names ending so (`wandb_api_key`, `hf_token`), not names that
-merely contain the word (`max_new_tokens`, `prompt_key`)."""
+_SECRET_ENDINGS = (
+    "apikey",
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "credential",
+    "credentials",
+    "authorization",
+    "auth",
+    "cookie",
+    "privatekey",
+    "accesskey",
+    "secretkey",
+)
+"""Config keys whose values are masked: names ending so, compared in lower case without `_`, `-` or
+spaces (`wandb_api_key`, `hf_token`, `X-Api-Key`, `Authorization`, `clientSecret`), not names that merely
+contain the word (`max_new_tokens`, `prompt_key`)."""
+_SECRET_QUERY_NAMES = ("key", "sig", "signature", "pwd")
+"""URL query parameters masked besides those `_SECRET_ENDINGS` names (`?key=` is many APIs' key)."""
+MASK = "***"
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
+_QUERY_PARAM = re.compile(r"([?&;])([^=&#\s;]+)=([^&#\s;]*)")
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[a-z0-9._~+/=-]{8,}")
+_MIN_ENV_SECRET = 8
+"""Values of secret-named environment variables (`WANDB_API_KEY`) at least this long are masked wherever
+they appear; shorter ones would mask ordinary text."""
 
 
 def _clean(value: Any) -> Any:
@@ -79,6 +106,8 @@ class Tracker:
         self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.samples_file = open(run_dir / "samples.jsonl", "a", buffering=1)
         self.history: list[dict[str, Any]] = []
+        redact_logs()
+        config_dict = redact(config_dict)
         self.wandb_run = self._init_wandb(config_dict, recipe, wandb_run_id) if cfg.wandb else None
         self.progress = None
         self._task = None
@@ -111,6 +140,16 @@ class Tracker:
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if os.environ.get("WANDB_MODE") == "disabled":
             mode = "disabled"
+        argv = sys.argv
+        sys.argv = [*argv[:1], *redact_args(argv[1:])]  # W&B records the command line (Hydra's overrides)
+        try:
+            return self._wandb_init(wandb, config_dict, recipe, run_id, mode)
+        finally:
+            sys.argv = argv
+
+    def _wandb_init(
+        self, wandb: Any, config_dict: dict[str, Any], recipe: str, run_id: str | None, mode: str
+    ) -> Any:
         for attempt in [run_id, None] if run_id else [None]:
             try:
                 return wandb.init(
@@ -248,14 +287,98 @@ def _replace_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def redact(config: dict[str, Any]) -> dict[str, Any]:
-    """Config copy with secret-looking values masked, for logs and W&B."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out[key] = redact(value)
-        elif key.lower().endswith(_SECRET_ENDINGS) and value:
-            out[key] = "***"
-        else:
-            out[key] = value
+def is_secret_name(name: str) -> bool:
+    """Whether a config key, header or environment variable name names a secret (see `_SECRET_ENDINGS`)."""
+    compact = re.sub(r"[\s_-]", "", str(name)).lower()
+    return compact.endswith(_SECRET_ENDINGS)
+
+
+def redact_text(text: str) -> str:
+    """`text` with what looks like a secret masked: the credentials of a URL (`https://user:pass@host`), the
+    values of secret-named query parameters (`?key=`, `&access_token=`), bearer tokens, and the values of
+    secret-named environment variables (`WANDB_API_KEY`, `HF_TOKEN`)."""
+    if not text:
+        return text
+    for name, value in os.environ.items():
+        if len(value) >= _MIN_ENV_SECRET and is_secret_name(name) and value in text:
+            text = text.replace(value, MASK)
+    text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+
+    def query(m: re.Match[str]) -> str:
+        name = m.group(2)
+        secret = is_secret_name(name) or name.lower().replace("-", "_") in _SECRET_QUERY_NAMES
+        return f"{m.group(1)}{name}={MASK}" if secret and m.group(3) else m.group(0)
+
+    text = _QUERY_PARAM.sub(query, text) if "=" in text else text
+    return _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", text)
+
+
+def redact(config: Any) -> Any:
+    """Config copy with secret-looking values masked, for logs, W&B and the run's files: the values of
+    secret-named keys (`redact_text`'s `is_secret_name`) at any depth, in dicts and lists, and secrets inside
+    any other string (`redact_text`)."""
+    if isinstance(config, dict):
+        return {k: _mask_all(v) if is_secret_name(k) else redact(v) for k, v in config.items()}
+    if isinstance(config, list | tuple):
+        return type(config)(redact(v) for v in config)
+    if isinstance(config, str):
+        return redact_text(config)
+    return config
+
+
+def _mask_all(value: Any) -> Any:
+    """Every leaf of a secret-named key's dict or list (`auth: {user: u, password: p}`) masked."""
+    if isinstance(value, dict):
+        return {k: _mask_all(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_mask_all(v) for v in value)
+    return MASK if value else value
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """Command-line arguments with secrets masked: the value of a `key=value` override whose key, or a key
+    inside whose dict value (`headers={Authorization: ...}`), names a secret, and `redact_text`'s finds."""
+    out = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        inner = re.findall(r"([A-Za-z0-9_.-]+)\s*:", value) if eq else []
+        if eq and (is_secret_name(key.rsplit(".", 1)[-1]) or any(is_secret_name(k) for k in inner)):
+            arg = f"{key}={MASK}"
+        out.append(redact_text(arg))
     return out
+
+
+def redact_yaml(text: str) -> str:
+    """A resolved config's YAML with its secrets masked (`redact`), for the run folder's config.yaml."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    return OmegaConf.to_yaml(OmegaConf.create(redact(container)))
+
+
+class RedactingFilter(logging.Filter):
+    """Masks secrets (`redact_text`) in every record a handler writes, its traceback included: an error
+    message that quotes a URL with credentials (a remote reward's) stays out of the console and run.log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: the handler reports it as it would have
+            return True
+        clean = redact_text(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+            clean = redact_text(text)
+            if clean != text:
+                record.exc_text = clean
+        return True
+
+
+def redact_logs() -> None:
+    """Add `RedactingFilter` to the root logger's handlers (and logging's last-resort one), once each."""
+    handlers = [*logging.getLogger().handlers, logging.lastResort]
+    for handler in handlers:
+        if handler is not None and not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

@@ -45,6 +45,38 @@ def test_combine_metrics_adds_counts_takes_maxima_and_weights_means() -> None:
     assert c["r/f/mean"] == pytest.approx(0.25) and c["r/f/count"] == 4.0
 
 
+def test_combine_metrics_with_nan_ranks_without_samples_and_per_sample_eval_means() -> None:
+    nan = math.nan
+    # A NaN maximum or duration on any rank shows, whatever the ranks' order (Python's max kept or dropped it
+    # by position); sums and means carry it as before.
+    for pair in ([{"x/max": 1.0, "time/step": nan}, {"x/max": nan, "time/step": 2.0}],):
+        for ranks in (pair, pair[::-1]):
+            out = combine_metrics(ranks, [1.0, 1.0])
+            assert math.isnan(out["x/max"]) and math.isnan(out["time/step"])
+    assert math.isnan(combine_metrics([{"r/min": nan}, {"r/min": 0.0}], [1.0, 1.0])["r/min"])
+    # A rank without samples (weight 0) does not count in a mean, even when what it reports is NaN.
+    out = combine_metrics(
+        [{"reward/mean": nan, "reward/std": nan}, {"reward/mean": 0.5, "reward/std": 0.5}], [0.0, 4.0]
+    )
+    assert out == {"reward/mean": 0.5, "reward/std": 0.5}
+    # Counts the engine reports add up over the ranks' engines.
+    out = combine_metrics(
+        [{"rollout/spec_chained_drafts": 10.0}, {"rollout/spec_chained_drafts": 6.0}], [4, 4]
+    )
+    assert out["rollout/spec_chained_drafts"] == 16.0
+    # eval/reward_mean and eval/response_length are means over samples (a generate plugin may give a prompt
+    # several); eval/accuracy is over prompts.
+    ranks = [
+        {"eval/accuracy": 1.0, "eval/reward_mean": 1.0, "eval/response_length": 3.0, "eval/count": 1.0},
+        {"eval/accuracy": 0.0, "eval/reward_mean": 0.0, "eval/response_length": 9.0, "eval/count": 1.0},
+    ]
+    ranks[0]["eval/num_samples"], ranks[1]["eval/num_samples"] = 3.0, 1.0
+    out = combine_metrics(ranks, [3.0, 1.0])
+    assert out["eval/accuracy"] == 0.5
+    assert out["eval/reward_mean"] == pytest.approx(0.75)
+    assert out["eval/response_length"] == pytest.approx((3 * 3 + 9) / 4)
+
+
 def test_shard_keeps_whole_items_in_order() -> None:
     items = list(range(7))
     shards = [DataParallel(rank=r, world_size=3).shard(items) for r in range(3)]
@@ -315,3 +347,24 @@ def test_sft_on_two_processes_takes_one_process_steps(tmp_path: Path) -> None:
         "step_000001",
         "step_000002",
     ]
+
+
+def test_launched_ranks_run_the_config_handed_to_them_privately(tmp_path: Path) -> None:
+    """The run folder's config.yaml may have its secrets masked: the ranks read the unredacted config from a
+    copy only this user can read, in the launch's store folder, removed after."""
+    (tmp_path / "config.yaml").write_text("reward:\n  kwargs:\n    api_key: '***'\n")
+    program = (
+        "import os, sys, stat; from pathlib import Path; "
+        "path = Path(os.environ['MILES_CONFIG_FILE']); "
+        "assert stat.S_IMODE(path.stat().st_mode) == 0o600, oct(path.stat().st_mode); "
+        "Path(sys.argv[1], 'seen' + os.environ['RANK']).write_text(path.read_text() + '|' + str(path))"
+    )
+    command = [sys.executable, "-c", program, str(tmp_path)]
+    secret = "reward:\n  kwargs:\n    api_key: sk-live-1\n"
+    assert launch(tmp_path, 2, poll_s=0.05, command=command, config_text=secret) == 0
+    for rank in range(2):
+        text, path = (tmp_path / f"seen{rank}").read_text().split("|")
+        assert text == secret and not Path(path).exists()
+    # without config_text: the run folder's config.yaml, as before
+    assert launch(tmp_path, 2, poll_s=0.05, command=command) == 0
+    assert (tmp_path / "seen0").read_text().split("|")[0] == (tmp_path / "config.yaml").read_text()

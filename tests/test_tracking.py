@@ -92,3 +92,132 @@ def test_a_new_run_never_mixes_its_records_into_another_runs(tmp_path: Path) -> 
     with pytest.raises(MilesUserError, match="already holds"):
         check_new_run_dir(run, tmp_path / "other")  # resuming another run into this one's folder
     check_new_run_dir(run, run)  # resuming this run into its own folder: its records are cut back
+
+
+SECRETS = (
+    "s3cr3t-pass",
+    "QUERYKEY123",
+    "sk-bearer-abcdef",
+    "hdr-api-key-42",
+    "tok-nested-7",
+    "envsecret-99887766",
+)
+
+
+def secret_config() -> dict:
+    """A run config holding secrets the ways users pass them: a remote reward's URL with credentials and a
+    `?key=`, its headers (`Authorization`, `X-Api-Key`), a list of dicts, camelCase and dashed names, and a
+    value that is a secret environment variable's."""
+    return {
+        "reward": {
+            "fn": "remote",
+            "kwargs": {
+                "url": "https://alice:s3cr3t-pass@judge.example.com:8443/score?key=QUERYKEY123&model=m1",
+                "headers": {"Authorization": "Bearer sk-bearer-abcdef", "X-Api-Key": "hdr-api-key-42"},
+                "endpoints": [{"url": "http://h/x", "accessToken": "tok-nested-7"}],
+                "extra_payload": {"note": "pass envsecret-99887766 along"},
+                "auth": {"user": "bob", "password": "s3cr3t-pass"},
+            },
+        },
+        "data": {
+            "prompt_key": "prompt",
+            "label_key": "label",
+            "path": "https://example.com/d.parquet?split=train",
+        },
+        "rollout": {"max_new_tokens": 32, "stop": ["</s>"]},
+        "logging": {"wandb_project": "miles"},
+    }
+
+
+def test_redact_masks_secrets_at_any_depth_in_lists_urls_and_headers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.tracking import redact, redact_yaml
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "envsecret-99887766")
+    config = secret_config()
+    out = redact(config)
+    text = json.dumps(out)
+    assert not [s for s in SECRETS if s in text], text
+    kwargs = out["reward"]["kwargs"]
+    assert kwargs["url"] == "https://***@judge.example.com:8443/score?key=***&model=m1"
+    assert kwargs["headers"] == {"Authorization": "***", "X-Api-Key": "***"}
+    assert kwargs["endpoints"] == [{"url": "http://h/x", "accessToken": "***"}]
+    assert kwargs["auth"] == {"user": "***", "password": "***"}
+    # what is not a secret stays as it was, and the input is not changed
+    assert out["data"] == config["data"] and out["rollout"] == config["rollout"]
+    assert out["logging"] == config["logging"]
+    assert config["reward"]["kwargs"]["headers"]["Authorization"] == "Bearer sk-bearer-abcdef"
+    assert redact(out) == out  # masking twice changes nothing (a resumed run compares redacted configs)
+    # the run folder's config.yaml
+    from omegaconf import OmegaConf
+
+    yaml = redact_yaml(OmegaConf.to_yaml(OmegaConf.create(config)))
+    assert not [s for s in SECRETS if s in yaml], yaml
+    assert "max_new_tokens: 32" in yaml and "prompt_key: prompt" in yaml
+
+
+def test_redact_text_and_args_mask_bearer_tokens_url_credentials_and_secret_overrides() -> None:
+    from miles.tracking import redact_args, redact_text
+
+    assert (
+        redact_text("GET https://u:p@h/x?access_token=abc&b=1 failed")
+        == "GET https://***@h/x?access_token=***&b=1 failed"
+    )
+    assert redact_text("Authorization: Bearer eyJhbGciOi.JIUzI1N") == "Authorization: Bearer ***"
+    assert redact_text("Token budget of 24 tokens; see https://docs.example.com/a?b=c") == (
+        "Token budget of 24 tokens; see https://docs.example.com/a?b=c"
+    )
+    args = [
+        "recipe=grpo_math",
+        "+reward.kwargs.api_key=sk-live-1",
+        "+reward.kwargs.headers={Authorization:'Bearer sk-live-2',X-Trace:t}",
+        "+reward.kwargs.url=https://a:sk-live-3@h/s",
+        "trainer.max_steps=3",
+    ]
+    out = " ".join(redact_args(args))
+    assert "sk-live" not in out, out
+    assert "recipe=grpo_math" in out and "trainer.max_steps=3" in out
+
+
+def test_a_tracker_keeps_secrets_out_of_wandb_and_the_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """W&B gets the config redacted, and the command line it records too; a log record that quotes a URL
+    with credentials (a remote reward's error) is masked on its way to the console and run.log."""
+    import logging
+    import sys
+
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "envsecret-99887766")
+    monkeypatch.setattr(
+        sys, "argv", ["miles train", "+reward.kwargs.headers={Authorization:'Bearer sk-bearer-abcdef'}"]
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(handler)
+    try:
+        cfg = LoggingConfig(wandb=True, wandb_mode="offline", progress=False, plot_every=0)
+        tracker = Tracker(tmp_path / "run", cfg, secret_config(), "recipe", 2)  # given unredacted
+        tracker.log_step(1, {"reward/mean": 0.5})
+        try:
+            raise RuntimeError("https://alice:s3cr3t-pass@judge.example.com/score?key=QUERYKEY123 failed")
+        except RuntimeError:
+            logging.getLogger("miles.rewards").warning("reward failed", exc_info=True)
+        logging.getLogger("miles.rewards").warning("header was Bearer %s", "sk-bearer-abcdef")
+        tracker.close()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "judge.example.com" in err and "reward failed" in err
+    assert not [s for s in SECRETS if s in err], err
+    assert sys.argv[1].endswith("'Bearer sk-bearer-abcdef'}")  # the process' own argv is left as it was
+    leaked = [
+        (path.name, s)
+        for path in (tmp_path / "run").rglob("*")
+        if path.is_file()
+        for s in SECRETS
+        if s.encode() in path.read_bytes()
+    ]
+    assert not leaked, leaked
+    assert list((tmp_path / "run" / "wandb").rglob("*.wandb"))  # W&B did write its files

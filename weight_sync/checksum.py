@@ -6,7 +6,10 @@ from collections.abc import Iterable
 
 import torch
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+"""Integer views of the raw bits. Wider elements (float64, int64, complex) are read as int32 halves: an
+int64 word times a position weight wraps modulo 2**64, so a flip of its top bit (float64's sign) times an
+even weight would vanish; a 32-bit half times a weight below 2**21 never wraps."""
 
 
 FINGERPRINT_CHUNK = 1 << 24
@@ -18,7 +21,12 @@ def tensor_fingerprint(tensor: torch.Tensor, chunk: int = FINGERPRINT_CHUNK) -> 
     """Position-weighted sum of the raw bits (wrapping int64): any changed element changes it. Summed a
     `chunk` of elements at a time; int64 addition wraps, so the value does not depend on the chunk size."""
     flat = tensor.detach().contiguous().view(-1)
-    bits = flat.view(_INT_VIEW[flat.element_size()])
+    size = flat.element_size()
+    if size in _INT_VIEW:
+        bits = flat.view(_INT_VIEW[size])
+    else:  # 8 or 16 bytes an element: its 32-bit words
+        bits = flat.view(torch.uint8).view(torch.int32)
+        chunk *= size // 4
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
     for start in range(0, bits.numel(), chunk):
         part = bits[start : start + chunk].to(torch.int64)

@@ -4,20 +4,23 @@ When the engine runs the trainer's own module (same dtype and device) nothing is
 bumps the version and flushes the engine's prefix cache. Otherwise tensors are copied (and cast) in buckets:
 the trainer's parameters, or with another model definition (the megatron backend) the stream of its
 `iter_engine_weights()`, its weights converted (and gathered) into the engine model's names and layouts.
-A checksum of both sides proves they agree after every sync where tensors were copied; where the engine runs
-the trainer's own module there is one side only (`checksum_ok` holds by identity), and the trainer's
-fingerprints still go to the data-parallel replicas' comparison.
+A checksum of both sides proves they agree after every sync where tensors were copied: each tensor against
+the place the engine copied it into (so Hugging Face names, which the engine takes too, and a tied
+`lm_head.weight`, which it skips, are checked against what the engine holds), and every engine parameter
+must have been written. Where the engine runs the trainer's own module there is one side only
+(`checksum_ok` holds by identity), and the trainer's fingerprints still go to the data-parallel replicas'
+comparison.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from miles.weight_sync.checksum import compare, fingerprints, tensor_fingerprint
+from miles.weight_sync.checksum import tensor_fingerprint
 
 
 @dataclass
@@ -83,22 +86,58 @@ class InProcessWeightSync:
             return export()
         return [(n, p.detach()) for n, p in self.trainer_model.named_parameters()]
 
+    def _engine_places(self) -> Callable[[str], tuple[str, torch.Tensor] | None]:
+        """Where the engine keeps a streamed tensor: (its parameter's name, the view of it the tensor was
+        copied into), or None for a tensor the engine does not keep (`rotary_emb.inv_freq`). Names may be the
+        engine model's own (`qkv_proj`) or Hugging Face's (`q_proj`, per-expert), as `update_weights`
+        takes them; a tied `lm_head.weight` is the embedding the engine shares it with."""
+        model = self.engine.model
+        params = dict(model.named_parameters(remove_duplicate=False))
+        owner = {id(p): n for n, p in model.named_parameters()}  # a tied parameter under its first name
+        args = getattr(model, "args", None)
+
+        def place(name: str) -> tuple[str, torch.Tensor] | None:
+            if args is None:
+                slot: tuple[str, tuple] | None = (name, ())
+            else:
+                from miles.models.checkpoint import model_slot
+
+                slot = model_slot(name, args)
+            if slot is None:
+                return None
+            target = params.get(slot[0])
+            try:
+                view = target.detach()[slot[1]]  # type: ignore[union-attr]
+            except (AttributeError, IndexError) as err:  # no such parameter, or expert, in the engine
+                raise KeyError(name) from err
+            return owner.get(id(target), slot[0]), view
+
+        return place
+
     def sync(self, version: int) -> SyncResult:
         start = time.perf_counter()
         engine_dtype = self.engine.model.dtype
         expected: dict[str, int] = {}
         own: dict[str, int] = {}
         moved = 0
+        place = self._engine_places() if self.verify and not self.shares_weights else None
 
         def passing(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             """Each tensor on its way to the engine, counted and fingerprinted (as the engine will store it,
             and bit for bit in its own dtype for the replicas' comparison)."""
             nonlocal moved
             for name, tensor in named:
-                moved += tensor.numel() * engine_dtype.itemsize
+                dtype = engine_dtype
+                if place is not None:
+                    try:
+                        found = place(name)
+                    except KeyError:
+                        found = None  # the engine refuses it, saying why
+                    dtype = found[1].dtype if found is not None else engine_dtype
+                moved += tensor.numel() * dtype.itemsize
                 if self.verify:
-                    expected[name] = tensor_fingerprint(tensor.to(engine_dtype))
-                    same = tensor.dtype == engine_dtype
+                    expected[name] = tensor_fingerprint(tensor.to(dtype))
+                    same = tensor.dtype == dtype
                     own[name] = expected[name] if same else tensor_fingerprint(tensor)
                 yield name, tensor
 
@@ -114,6 +153,27 @@ class InProcessWeightSync:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         mismatched: list[str] = []
-        if self.verify and not self.shares_weights:  # shared: the engine's tensors are the trainer's
-            mismatched = compare(expected, fingerprints(self.engine.model.named_parameters()))
+        if place is not None:  # shared: the engine's tensors are the trainer's
+            mismatched = self._check_engine(expected, place)
         return SyncResult(version, seconds, moved, not mismatched, mismatched, own)
+
+    def _check_engine(
+        self, expected: dict[str, int], place: Callable[[str], tuple[str, torch.Tensor] | None]
+    ) -> list[str]:
+        """The streamed names whose place in the engine does not hold them bit for bit, and the engine's
+        parameters no streamed tensor went into (the engine would run them stale)."""
+        mismatched: list[str] = []
+        covered: set[str] = set()
+        for name, fingerprint in expected.items():
+            try:
+                found = place(name)
+            except KeyError:
+                mismatched.append(name)
+                continue
+            if found is None:
+                continue
+            covered.add(found[0])
+            if tensor_fingerprint(found[1]) != fingerprint:
+                mismatched.append(name)
+        mismatched += [n for n, _ in self.engine.model.named_parameters() if n not in covered]
+        return sorted(mismatched)
