@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from miles.config import MilesConfig
 from miles.errors import MilesUserError
-from miles.tracking import check_new_run_dir, read_records
+from miles.tracking import check_new_run_dir, read_records, redact_yaml
 
 
 def run_from_hydra(cfg: DictConfig) -> None:
@@ -141,8 +141,8 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
     if distributed.needs_launch(config.placement.num_processes):
         distributed.check_devices(config.placement.num_processes, config.model.device)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(resolved_yaml)
-        code = distributed.launch(run_dir, config.placement.num_processes)
+        (run_dir / "config.yaml").write_text(redact_yaml(resolved_yaml))
+        code = distributed.launch(run_dir, config.placement.num_processes, config_text=resolved_yaml)
         if code != 0:
             raise MilesUserError(
                 f"a process of the run exited with code {code}; its error is printed above (run folder {run_dir})"
@@ -161,7 +161,7 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
                 config.model.device = f"cuda:{dp.local_rank}"
         if dp.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(resolved_yaml)
+            (run_dir / "config.yaml").write_text(redact_yaml(resolved_yaml))  # no API keys in run files
         if config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft":
             from miles.sft import run_sft
 

@@ -90,6 +90,13 @@ def main(argv: list[str]) -> int:
         recipe,
         *flags,
         f"hydra.searchpath=[file://{configs_dir()}]",
+        # Hydra's .hydra/ copies of the config and the command line would hold API keys in plain text; the run
+        # folder's config.yaml is the resolved config, with its secrets masked.
+        *(
+            []
+            if any(o.lstrip("+~").startswith("hydra.output_subdir=") for o in overrides)
+            else ["hydra.output_subdir=null"]
+        ),
         *overrides,
     ]
     task = hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=recipe)(run_from_hydra)

@@ -194,3 +194,25 @@ def test_wheel_ships_configs_recipes_and_assets(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "builtin:tiny_moe_math" in out.stdout
+
+
+def test_a_run_folder_holds_no_api_key(tmp_path: Path) -> None:
+    """Secrets given on the command line (a remote reward's URL credentials, `?key=`, an Authorization
+    header) reach neither the run folder's files (config.yaml masked, no Hydra .hydra/ copies) nor the
+    console, even when the reward's error quotes its URL."""
+    secrets = ("pw1234567", "KEY12345678", "TOKEN1234567890")
+    out = miles(
+        "train", "recipe=grpo_math", "trainer.max_steps=1", "trainer.eval_every=0", "logging.wandb=false",
+        "logging.progress=false", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+        "trainer.global_batch_size=4", "reward.fn=remote",
+        'reward.kwargs.url="http://alice:pw1234567@127.0.0.1:9/score?key=KEY12345678"',
+        '+reward.kwargs.headers={Authorization:"Bearer TOKEN1234567890"}', "hydra.run.dir=run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and not (run / ".hydra").exists()
+    assert "***" in (run / "config.yaml").read_text()
+    files = [p for p in run.rglob("*") if p.is_file()]
+    for text in [out.stdout, out.stderr, *(p.read_bytes().decode("utf-8", "replace") for p in files)]:
+        assert not any(secret in text for secret in secrets)
