@@ -131,6 +131,10 @@ def dropped_metrics(inputs: RunInputs) -> dict[str, float]:
     }
 
 
+SYNC_RETRIES = 1
+"""Syncs repeated after a checksum mismatch before the run stops (a repeat that matches costs nothing)."""
+
+
 def prepare_inputs(cfg: MilesConfig, dp: DataParallel = SINGLE) -> RunInputs:
     seed_everything(cfg.trainer.seed)
     set_cpu_threads(cfg.placement.cpu_threads)
@@ -493,13 +497,26 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
             # The policy's update and the KV release around it (the draft's update is time/draft_train).
             own["time/train"] = time.perf_counter() - t - own.get("time/draft_train", 0.0)
 
-            result = sync.sync(version=step)
-            own.update(result.metrics())
-            own["time/sync"] = result.seconds
-            if dp.enabled:
-                metrics.update(_replica_metrics(dp, result))
-            if not metrics.get("sync/checksum_ok", result.checksum_ok):
+            sync_seconds = 0.0
+            for attempt in range(1 + SYNC_RETRIES):
+                result = sync.sync(version=step)
+                sync_seconds += result.seconds
+                checks = _replica_metrics(dp, result) if dp.enabled else {}
+                if checks.get("sync/checksum_ok", result.checksum_ok):  # every rank's, where ranks compare
+                    break
+                # The engine would generate the next rollout from weights the policy does not have: the
+                # policy that generates would no longer be the policy that learns. Sync again, then stop.
                 log.error("weight sync checksum mismatch after step %d: %s", step, result.mismatched[:5])
+                if attempt == SYNC_RETRIES:
+                    raise RuntimeError(
+                        f"the engine's weights differ from the policy's after step {step} and {SYNC_RETRIES} "
+                        f"more sync(s) (first differing: {result.mismatched[:5]}); the last checkpoint is in "
+                        f"{run_dir / 'checkpoints'} (resume with trainer.resume_from)"
+                    )
+            own.update(result.metrics())
+            own["time/sync"] = sync_seconds
+            own["sync/retries"] = float(attempt)
+            metrics.update(checks)
             if not metrics.get("sync/replicas_equal", 1.0):
                 log.error("after step %d the ranks' weights differ", step)
 

@@ -514,3 +514,59 @@ def test_a_prompt_the_engine_rejects_costs_its_samples_not_the_run(tmp_path: Pat
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["rollout/aborted"] == 2.0 and record["train/dropped_samples"] == 2.0
     assert "train/loss" in record
+
+
+FLAKY_SYNC = """
+import dataclasses
+import os
+
+from miles.weight_sync import inprocess
+
+_sync = inprocess.InProcessWeightSync.sync
+_calls = [0]
+
+
+def _flaky(self, version):
+    result = _sync(self, version)
+    _calls[0] += 1
+    if _calls[0] in {int(n) for n in os.environ["MISMATCH_AT"].split(",")}:
+        return dataclasses.replace(result, checksum_ok=False, mismatched=["layers.0.mlp.gate.weight"])
+    return result
+
+
+inprocess.InProcessWeightSync.sync = _flaky  # (the reward module is imported inside the run's process)
+
+
+def reward(sample):
+    return float(len(sample.response_ids) % 2)
+"""
+
+
+@pytest.mark.parametrize("mismatches", ["1", "1,2"])
+def test_a_sync_checksum_mismatch_is_synced_again_then_stops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mismatches: str
+) -> None:
+    """After a step, engine weights that differ from the policy's are synced once more; if they still differ
+    the run stops with the checkpoint to resume from, instead of generating from weights it does not train."""
+    (tmp_path / "flaky_sync.py").write_text(FLAKY_SYNC)
+    monkeypatch.setenv("MISMATCH_AT", mismatches)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    out = run_miles(
+        tmp_path,
+        "recipe=grpo_math",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+        "rollout.rollout_batch_size=2",
+        "rollout.n_samples_per_prompt=2",
+        "trainer.global_batch_size=4",
+        "reward.fn=flaky_sync:reward",
+        "reward.num_workers=0",
+    )
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    if mismatches == "1":
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert [(r["sync/retries"], r["sync/checksum_ok"]) for r in records] == [(1.0, 1.0), (0.0, 1.0)]
+    else:
+        assert out.returncode != 0 and records == []
+        assert "the engine's weights differ from the policy's after step 1" in out.stderr
+        assert "layers.0.mlp.gate.weight" in out.stderr
