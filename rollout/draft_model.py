@@ -126,6 +126,10 @@ class DraftModel:
         """Request id -> its draft state, for running requests (`retain` drops the others)."""
         self.prompts: dict[tuple[int, ...], SharedPrompt] = {}
         """Prompts held once for every sequence that starts with them."""
+        self.reserved: dict[int, SharedPrompt] = {}
+        """Request id -> the shared prompt it skipped a proposal for (another request computed it), held for
+        it until it attaches (`_new_sequence`) or leaves (`retain`, `forget`): the request that computed the
+        prompt may finish in that very step, which must not take the prompt away from the others."""
         self.share_prompts = True
         """Whether requests with the same prompt share its draft KV (off: each computes and holds its own)."""
         self.draws = self.graphed_draws = 0
@@ -138,28 +142,36 @@ class DraftModel:
         return self.runner.graphs is not None  # None again after a capture ran out of memory
 
     # state ---------------------------------------------------------------------------------------
+    def _unuse(self, shared: SharedPrompt) -> None:
+        """One user (a sequence, or a request it is reserved for) fewer; the slots go back with the last."""
+        shared.users -= 1
+        if not shared.users:
+            self.pool.free_slots(shared.slots)
+            del self.prompts[shared.tokens]
+
     def _drop(self, rid: int) -> None:
         seq = self.seqs.pop(rid)
         own = 0
         if seq.prompt is not None:
-            shared, own = seq.prompt, len(seq.prompt.tokens)
-            shared.users -= 1
-            if not shared.users:
-                self.pool.free_slots(shared.slots)
-                del self.prompts[shared.tokens]
+            own = len(seq.prompt.tokens)
+            self._unuse(seq.prompt)
         if seq.slots > own:
             self.pool.free_slots(self.table.table[seq.row, own : seq.slots])
         self.table.free(seq.row)
 
     def retain(self, keep: set[int]) -> None:
-        """Drop the sequences of requests not in `keep` (the running requests' ids)."""
+        """Drop the sequences (and reserved prompts) of requests not in `keep` (the running requests' ids)."""
         for rid in [rid for rid in self.seqs if rid not in keep]:
             self._drop(rid)
+        for rid in [rid for rid in self.reserved if rid not in keep]:
+            self._unuse(self.reserved.pop(rid))
 
     def forget(self, rid: int) -> None:
-        """Drop a finished request's sequence."""
+        """Drop a finished request's sequence (or the prompt reserved for it)."""
         if rid in self.seqs:
             self._drop(rid)
+        if rid in self.reserved:
+            self._unuse(self.reserved.pop(rid))
 
     def release(self) -> None:
         """Free the pool (colocated training): every sequence is dropped first, its slots back in the pool."""
@@ -170,13 +182,14 @@ class DraftModel:
     def resume(self) -> None:
         self.pool.allocate()
 
-    def _new_sequence(self, req: Request, starting: set[tuple[int, ...]]) -> DraftSequence | None:
+    def _new_sequence(self, req: Request, starting: dict[tuple[int, ...], list[int]]) -> DraftSequence | None:
         """A sequence for a request the draft has not seen; None where it cannot have one this proposal.
 
         A request whose prompt the draft holds already starts from it: its row points at the shared slots,
         and it is fed only its output. One whose prompt another new request of this proposal will compute
         waits for the next proposal, when that prompt is shared (so the `n` samples of a group compute and
-        hold their prompt once, at the cost of one step without drafts for all but one of them)."""
+        hold their prompt once, at the cost of one step without drafts for all but one of them); the prompt
+        is reserved for it meanwhile (`_share_prompts`). `starting`: prompt -> the requests waiting for it."""
         if not self.table.num_free:
             return None
         shared, key = None, None
@@ -185,26 +198,37 @@ class DraftModel:
             key = tuple(req.prompt_ids)
             shared = self.prompts.get(key)
             if shared is None and key in starting:
+                starting[key].append(req.rid)
                 return None
         seq = self.seqs[req.rid] = DraftSequence(self.table.alloc(), [])
+        reserved = self.reserved.pop(req.rid, None)
         if shared is not None:
             length = len(shared.tokens)
             self.table.table[seq.row, :length] = shared.slots
             seq.fed, seq.agreed, seq.slots, seq.prompt = list(shared.tokens), length, length, shared
-            shared.users += 1
+            if reserved is not shared:  # else its reservation becomes its use
+                shared.users += 1
         elif key is not None:
-            starting.add(key)
+            starting[key] = []
+        if reserved is not None and reserved is not shared:  # (its prompt is this one while it runs)
+            self._unuse(reserved)
         return seq
 
-    def _share_prompts(self, work: list[_Work], starting: set[tuple[int, ...]]) -> None:
-        """After a proposal fed them: the prompts of the new sequences computed this proposal become shared."""
+    def _share_prompts(self, work: list[_Work], starting: dict[tuple[int, ...], list[int]]) -> None:
+        """After a proposal fed them: the prompts of the new sequences computed this proposal become shared,
+        and each is reserved for the requests that waited for it."""
         for w in work:
             seq, length = w.seq, len(w.req.prompt_ids)
             if seq.prompt is not None or len(seq.fed) < length:
                 continue
             key = tuple(w.req.prompt_ids)
             if key in starting and key not in self.prompts:
-                seq.prompt = self.prompts[key] = SharedPrompt(key, self.table.table[seq.row, :length].clone())
+                shared = SharedPrompt(key, self.table.table[seq.row, :length].clone())
+                seq.prompt = self.prompts[key] = shared
+                for rid in starting[key]:
+                    if rid not in self.reserved:
+                        self.reserved[rid] = shared
+                        shared.users += 1
 
     def _agreed(self, seq: DraftSequence, req: Request) -> int:
         """Length of the common prefix of what the sequence was fed and the request's tokens, short of the
@@ -225,7 +249,7 @@ class DraftModel:
         work: list[_Work] = []
         needs: list[int] = []
         free = self.pool.free_tokens
-        starting: set[tuple[int, ...]] = set()
+        starting: dict[tuple[int, ...], list[int]] = {}
         for i, (req, k) in enumerate(zip(reqs, ks)):
             k = min(k, self.max_context - req.seq_len + 1)
             if k <= 0:
@@ -245,7 +269,7 @@ class DraftModel:
                 if new:  # fed nothing: it holds no row until it can be (and computes no prompt for others)
                     self._drop(req.rid)
                     if seq.prompt is None and self.share_prompts and req.output_ids:  # the key it added
-                        starting.discard(tuple(req.prompt_ids))
+                        starting.pop(tuple(req.prompt_ids), None)
                 continue
             free -= need
             needs.append(need)

@@ -325,3 +325,41 @@ def test_requests_asking_for_alternatives_decode_without_drafts() -> None:
     expected = Engine(model, None, config()).generate(PROMPTS, params)
     assert [s.response_ids for s in alternatives + plain] == [s.response_ids for s in expected]
     assert_pool_clean(engine)
+
+
+def test_a_group_shares_its_prompt_when_its_first_sample_ends_at_its_first_verify_step() -> None:
+    """Regression (found by review): the n - 1 samples that skip drafting while the first computes their
+    prompt in the draft's pool must find it there at the next step, even if that first sample finished in the
+    very verify step (all its drafts accepted up to max_new_tokens, or a stop id). Its prompt went back to the
+    pool with it, so the next sample computed it again while the rest skipped again: one request drafted a
+    step and the prompt was fed once per sample. Now the waiting samples hold the prompt until they attach."""
+    model = tiny_model(False, seed=5, max_position_embeddings=128)
+    prompt = list(range(1, 41))
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=5, seed=1, ignore_eos=True)
+    engine = Engine(
+        model, None, config(speculative="draft", spec_draft_tokens=3), draft_model=copy.deepcopy(model)
+    )
+    drafter = engine.drafter
+    assert drafter is not None
+    fed, proposals = [0], []
+    forward, propose = drafter._forward, drafter.propose
+
+    def counted_forward(seqs, lens, *rest):  # noqa: ANN001, ANN002, ANN202
+        fed[0] += int(lens.sum())
+        return forward(seqs, lens, *rest)
+
+    def counted_propose(reqs, ks):  # noqa: ANN001, ANN202
+        drafts = propose(reqs, ks)
+        if reqs:
+            proposals.append((len(reqs), sum(1 for d in drafts if d)))
+        return drafts
+
+    drafter._forward, drafter.propose = counted_forward, counted_propose  # type: ignore[method-assign]
+    samples = engine.generate([prompt], params)
+    assert_same_samples(samples, Engine(model, None, config()).generate([prompt], params))
+    assert_pool_clean(engine)
+    # The first sample computes the prompt and keeps all 3 drafts (5 tokens: done); the other 7 attach next.
+    assert proposals[:2] == [(8, 1), (7, 7)], proposals
+    assert fed[0] <= len(prompt) + 8 * params.max_new_tokens, fed
+    assert engine.stats.decode_steps == 2
+    assert not drafter.prompts and not drafter.reserved
