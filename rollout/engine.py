@@ -223,6 +223,15 @@ class Engine:
         """Tokens a request's prompt and response may hold together: the context, or fewer where the KV pool
         is smaller (the newest token needs no slot). A request that reaches it ends TRUNCATED, as at the end
         of the context, instead of failing for want of a slot it could never get."""
+        if self.max_seq_len < self.max_context:
+            log.warning(
+                "the KV pool holds %d tokens, fewer than the model's context (%d)%s: a request ends TRUNCATED at "
+                "%d tokens; give the pool more memory (rollout.kv_cache_fraction / kv_cache_bytes) for longer ones",
+                self.pool.capacity_tokens,
+                self.max_context,
+                " (a draft model's KV shares the budget)" if draft is not None else "",
+                self.max_seq_len,
+            )
         table = RequestTable(
             cfg.max_running_requests, min(self.max_context, self.pool.capacity_tokens), self.device
         )
