@@ -77,6 +77,11 @@ def check_algorithm(config: MilesConfig) -> None:
     algorithm, rollout = config.algorithm, config.rollout
     if config.model.dtype not in DTYPES:
         raise MilesUserError(f"model.dtype={config.model.dtype}: use one of {', '.join(DTYPES)}")
+    if config.model.dtype == "float16":  # (the trainer refuses it too, but only after the run folder exists)
+        raise MilesUserError(
+            "model.dtype=float16 cannot be trained here (the trainer has no loss scaling, and float16 gradients "
+            "underflow without it); use model.dtype=bfloat16"
+        )
     for key in ("global_batch_size", "epochs_per_rollout"):
         if getattr(config.trainer, key) < 1:
             raise MilesUserError(f"trainer.{key} must be at least 1, got {getattr(config.trainer, key)}")

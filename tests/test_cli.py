@@ -91,6 +91,7 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["rollout.rollout_batch_size=0", "trainer.max_steps=1"], "rollout_batch_size must be at least 1"),
         (["trainer.global_batch_size=0", "trainer.max_steps=1"], "global_batch_size must be at least 1"),
         (["model.dtype=float64", "trainer.max_steps=1"], "model.dtype=float64: use one of"),
+        (["model.dtype=float16", "trainer.max_steps=1"], "use model.dtype=bfloat16"),
         (["algorithm.loss_agg=sum", "trainer.max_steps=1"], "algorithm.loss_agg=sum: use one of"),
         (["algorithm.group_filter=nonzero", "trainer.max_steps=1"], "algorithm.group_filter 'nonzero'"),
         (["algorithm.filter_max_batches=0", "trainer.max_steps=1"], "filter_max_batches must be at least 1"),

