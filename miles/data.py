@@ -43,24 +43,23 @@ def _synthetic_rows(cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     return rows(train), rows(test)
 
 
-def _get_path(row: dict[str, Any], dotted: str) -> Any:
+_MISSING = object()
+
+
+def _get_path(row: dict[str, Any], dotted: str, missing: Any = None) -> Any:
+    """The value under a dotted key (`reward_model.ground_truth`), or `missing` where the row has no such key."""
     value: Any = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
-            return None
+            return missing
         value = value[part]
     return value
 
 
 def _has_path(row: dict[str, Any], dotted: str) -> bool:
-    """Whether `row` has the (dotted) key, null or not: `_get_path` cannot tell a null value from a missing
-    key, and only a key missing from every row is a misconfiguration."""
-    value: Any = row
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return False
-        value = value[part]
-    return True
+    """Whether `row` has the (dotted) key, null or not: only a key missing from every row is a
+    misconfiguration."""
+    return _get_path(row, dotted, _MISSING) is not _MISSING
 
 
 def _key_paths(records: list[dict[str, Any]]) -> list[str]:
