@@ -55,6 +55,7 @@ from miles.trainer.megatron_layout import (
     tp_shard,
     tp_unshard,
 )
+from miles.trainer.vocab_parallel import check_token_ids
 
 # megatron-core warns at import about optional packages (apex, Transformer Engine) and deprecations that
 # concern its own training scripts, not this use; a missing import still raises.
@@ -94,6 +95,14 @@ def check_megatron_supports(args: ModelArgs, tensor_parallel: int = 1) -> None:
     if RotaryEmbedding(args).attention_factor != 1.0:
         raise MilesUserError(
             "trainer.backend=megatron does not apply YaRN's attention scaling; use trainer.backend=torch"
+        )
+    if args.num_experts and args.num_experts_per_tok == 1 and args.norm_topk_prob:
+        # Qwen3-MoE's renormalised top-1 weighs each token's expert by exactly 1: megatron's router would
+        # take a softmax over the one chosen logit, which its config refuses (zero router gradient)
+        raise MilesUserError(
+            "trainer.backend=megatron cannot represent a Qwen3-MoE router with num_experts_per_tok=1 and "
+            "norm_topk_prob=true (megatron-core refuses a top-1 softmax router without pre-softmax); use "
+            "trainer.backend=torch"
         )
     if tensor_parallel > 1:
         if args.num_experts:
@@ -449,6 +458,8 @@ class MegatronPolicy(nn.Module):
         """N tokens of packed sequences ([N] ids and positions) -> final-norm hidden states [N, hidden]."""
         if routing is not None:
             raise MilesUserError("trainer.routing_replay is not available with trainer.backend=megatron")
+        # an id past the vocabulary would look up a zero padding row, or none, on a TP rank: refused
+        check_token_ids(input_ids, self.args.vocab_size, "input")
         self._packing.attention = attn
         inv_freq = self.rotary.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
