@@ -48,6 +48,7 @@ from miles.resume import (
     write_run_state,
 )
 from miles.sample import Sample, SampleStatus
+from miles.sft_data import end_of_turn_id
 from miles.tracking import Tracker, check_new_run_dir, read_records, redact
 from miles.utilization import busy_meter
 
@@ -65,11 +66,17 @@ def set_cpu_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def stop_ids(tokenizer: object, model_eos: list[int]) -> list[int]:
+def stop_ids(tokenizer: object, model_eos: list[int], formatter: PromptFormatter | None = None) -> list[int]:
+    """The model's and the tokenizer's eos ids, and with chat-formatted prompts (`formatter`) the token the
+    template ends an assistant turn with (`<|im_end|>`), which a base model's config may not list (it has
+    `<|endoftext|>`)."""
     ids = set(model_eos)
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is not None:
         ids.add(int(eos))
+    end_of_turn = end_of_turn_id(formatter) if formatter is not None else None
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
     return sorted(ids)
 
 
@@ -144,7 +151,7 @@ def prepare_inputs(cfg: MilesConfig, dp: DataParallel = SINGLE) -> RunInputs:
     train_rows, test_rows = load_rows(cfg.data)
     train_prompts, dropped = to_samples(train_rows, formatter, cfg.data.max_prompt_length)
     test_prompts, dropped_eval = to_samples(test_rows, formatter, cfg.data.max_prompt_length)
-    eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
+    eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids, formatter)
     return RunInputs(loaded.model, loaded.tokenizer, train_prompts, test_prompts, dropped, eos, dropped_eval)
 
 

@@ -13,36 +13,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from miles.config import MilesConfig
+from miles.data import PromptFormatter
 from miles.distributed import SINGLE, DataParallel, reduce_metrics
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
 from miles.loop import dropped_metrics, prepare_inputs, save_checkpoint
-from miles.sample import Sample
+from miles.sft_data import end_of_turn_stops, fit_context, sft_samples
 from miles.tracking import Tracker, redact
-
-
-def sft_samples(prompts: list[Sample], tokenizer: object, eos_id: int) -> list[Sample]:
-    """Attach the reference solution (metadata solution / response, else the label) as the response."""
-    out = []
-    for p in prompts:
-        target = p.metadata.get("solution") or p.metadata.get("response")
-        if target is None:
-            if p.label is None:
-                raise MilesUserError("SFT needs a `solution`/`response` column or a label in every data row")
-            target = f"#### {p.label}"
-        ids = list(tokenizer(str(target), add_special_tokens=False)["input_ids"]) + [eos_id]
-        out.append(
-            Sample(
-                prompt=p.prompt,
-                prompt_ids=p.prompt_ids,
-                response_ids=ids,
-                response_text=str(target),
-                loss_mask=[1] * len(ids),
-                label=p.label,
-                metadata=p.metadata,
-            )
-        )
-    return out
 
 
 def sft_batches(count: int, batch: int, shuffle: bool, seed: int) -> Iterator[list[int]]:
@@ -80,7 +57,14 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
         inputs.stop_token_ids,
         inputs.test_prompts,
     )
-    data = sft_samples(inputs.train_prompts, tokenizer, tokenizer.eos_token_id)
+    formatter = PromptFormatter(tokenizer, cfg.data, cfg.model.chat_template)
+    data, fitted = fit_context(
+        sft_samples(inputs.train_prompts, tokenizer, tokenizer.eos_token_id, formatter),
+        model.args.context_length,
+    )
+    if not data:
+        raise MilesUserError("no SFT example fits the model's context")
+    eos = end_of_turn_stops(formatter, model.args, eos)
 
     batch = cfg.trainer.sft_batch_size
     steps = math.ceil(len(data) * cfg.trainer.sft_epochs / batch)
@@ -120,7 +104,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     try:
         # What loading the data dropped goes into the run's first record, as in the RL loop: step 0's when
         # the start is evaluated, else step 1's.
-        unreported = dropped_metrics(inputs)
+        unreported = {**dropped_metrics(inputs), **fitted}
         if eval_on:
             start_metrics = run_eval(0)
             if tracker is not None:

@@ -227,3 +227,67 @@ def test_two_processes_train_the_draft_as_one(tmp_path: Path) -> None:
     # summation-order rounding in a near-zero gradient shows at ~lr times its relative error.
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     assert diff.max() < 1e-4, diff.max()
+
+
+def test_a_draft_equal_to_the_policy_gets_no_gradient_at_the_rollout_temperature() -> None:
+    """The engine draws a draft token from the draft's logits / T (the request's own sampling settings,
+    rollout/draft_draws.py), so the draft fits the policy when softmax(z_draft / T) matches what the policy
+    samples, softmax(z_policy / T): its NLL must be taken at the rollout's temperature. A draft that is an
+    exact copy of the policy, trained on responses whose tokens follow the policy's distribution at T = 0.5,
+    then gets almost no gradient (the counts' rounding: 0.026). Trained at temperature 1 (as before), it was
+    pushed off the policy: grad norm 0.27."""
+    temperature = 0.5
+    cfg = _config(temperature=temperature, spec_draft_lr=1e-9, spec_draft_train_epochs=1)
+    cfg.trainer = replace(cfg.trainer, optim=replace(cfg.trainer.optim, grad_clip=0.0))
+    draft = load_model("init:qwen3:tiny", device="cpu", seed=1).model
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        policy = torch.softmax(draft(torch.tensor([prompt]))[0, -1].double() / temperature, -1)
+    counts = torch.round(policy * 4000).long().tolist()
+    samples = [Sample(prompt_ids=prompt, response_ids=[t]) for t, c in enumerate(counts) for _ in range(c)]
+    trainer = DraftTrainer(draft, draft.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm)
+    metrics = trainer.train_step(samples)
+    assert metrics["draft/grad_norm"] < 0.08, metrics["draft/grad_norm"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_draft_s_gradient_is_its_masked_nll_at_the_rollout_temperature(temperature: float) -> None:
+    """The draft's gradient is the token mean, over the unmasked response tokens, of -log softmax(z / T) of a
+    plain forward (T = 1 for a greedy rollout), written out by hand."""
+    import torch.nn.functional as F
+
+    cfg = _config(temperature=temperature, spec_draft_lr=1e-9, spec_draft_train_epochs=1)
+    cfg.trainer = replace(cfg.trainer, optim=replace(cfg.trainer.optim, grad_clip=0.0))
+    draft = load_model("init:qwen3:tiny", device="cpu", seed=1).model
+    samples = [
+        Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], loss_mask=[1, 0, 1]),
+        Sample(prompt_ids=[10], response_ids=[11, 12]),
+        Sample(prompt_ids=[13, 14, 15], response_ids=[16]),
+    ]
+    scale = temperature if temperature > 0 else 1.0
+    total, count = torch.zeros(()), 0
+    for s in samples:
+        logits = draft(torch.tensor([s.prompt_ids + s.response_ids]))[0].float() / scale
+        p = len(s.prompt_ids)
+        nll = F.cross_entropy(
+            logits[p - 1 : p - 1 + len(s.response_ids)], torch.tensor(s.response_ids), reduction="none"
+        )
+        mask = torch.tensor(s.loss_mask or [1] * len(s.response_ids), dtype=torch.float32)
+        total, count = total + (nll * mask).sum(), count + int(mask.sum())
+    (total / count).backward()
+    expected = {name: p.grad.clone() for name, p in draft.named_parameters()}
+    draft.zero_grad(set_to_none=True)
+    trainer = DraftTrainer(draft, draft.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm)
+    kept: dict[str, torch.Tensor] = {}
+    step = trainer.trainer.optimizer.step
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        for name, p in draft.named_parameters():
+            kept[name] = p.grad.clone()
+        return step(*args, **kwargs)
+
+    trainer.trainer.optimizer.step = keep  # type: ignore[method-assign]
+    metrics = trainer.train_step(samples)
+    assert metrics["draft/loss"] == pytest.approx((total / count).item(), rel=1e-5)
+    for name, grad in expected.items():
+        torch.testing.assert_close(kept[name], grad, atol=1e-6, rtol=1e-4, msg=name)

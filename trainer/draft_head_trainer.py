@@ -34,7 +34,7 @@ from miles.models.draft_head import DraftHead, load_draft_head, save_draft_head
 from miles.models.model import CausalLM
 from miles.resume import DRAFT_HEAD_DIR
 from miles.sample import Sample, SampleStatus
-from miles.trainer.draft_trainer import check_draft_settings, draft_trainer_config
+from miles.trainer.draft_trainer import check_draft_settings, draft_temperature, draft_trainer_config
 from miles.trainer.master_weights import MasterWeights, wants_master_weights
 from miles.trainer.optim import build_optimizer, set_lr
 from miles.trainer.packing import response_loss_mask
@@ -63,7 +63,7 @@ class DraftHeadTrainer:
         self.head, self.policy, self.dp = head, policy, dp
         self.depth = rollout.spec_draft_tokens
         self.epochs = rollout.spec_draft_train_epochs
-        self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
+        self.temperature = draft_temperature(rollout)
         self.max_tokens = max(trainer.micro_batch_tokens, 1)
         self.max_context = policy.args.context_length
         cfg = draft_trainer_config(trainer, rollout)

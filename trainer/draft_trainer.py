@@ -2,11 +2,14 @@
 
 A draft model proposes well only while its next-token distribution stays close to the policy's, and RL moves
 the policy away from any fixed draft. Each RL step therefore also takes `spec_draft_train_epochs` optimizer
-steps of the draft on that step's samples: the masked NLL of the sampled response tokens under the draft.
-The tokens were drawn from the policy, so this is a Monte-Carlo estimate of the forward KL(policy || draft)
-up to the policy's entropy, the same distillation Miles and EAGLE-style online training use; no extra
-policy forward is needed. The draft trains in place, in the module the engine drafts with (the engine then
-drops the draft's cached keys and values: `Engine.draft_weights_changed`).
+steps of the draft on that step's samples: the masked NLL of the sampled response tokens under the draft at
+the rollout's temperature. The tokens were drawn from the policy's logits / T, and the engine draws each draft
+token from the draft's logits / T (rollout/draft_draws.py), so this is a Monte-Carlo estimate of the forward
+KL(policy_T || draft_T) up to the policy's entropy, the same distillation Miles and EAGLE-style online training
+use; no extra policy forward is needed. (At temperature 1 instead, the draft would fit softmax(z_draft) to
+softmax(z_policy / T) and then propose from that sharpened or flattened again by T.) A greedy rollout trains at
+temperature 1: its argmax does not depend on T. The draft trains in place, in the module the engine drafts
+with (the engine then drops the draft's cached keys and values: `Engine.draft_weights_changed`).
 
 The verify step keeps plain decoding's samples whatever the draft proposes, so training it changes only
 how many drafts are accepted, never what the policy learns from.
@@ -43,6 +46,12 @@ def draft_trainer_config(trainer: TrainerConfig, rollout: RolloutConfig) -> Trai
         routing_replay=False,
         epochs_per_rollout=1,
     )
+
+
+def draft_temperature(rollout: RolloutConfig) -> float:
+    """The temperature the draft is trained at: the rollout's, which the engine draws its drafts with (1 for
+    greedy rollouts, whose argmax any temperature keeps)."""
+    return rollout.temperature if rollout.temperature > 0 else 1.0
 
 
 def check_draft_settings(rollout: RolloutConfig) -> None:
@@ -84,7 +93,7 @@ class DraftTrainer:
             draft,
             draft_trainer_config(trainer, rollout),
             replace(algorithm, kl_coef=0.0),
-            temperature=1.0,
+            temperature=draft_temperature(rollout),
             total_optimizer_steps=trainer.max_steps * self.epochs,
             dp=dp,
         )
@@ -134,7 +143,7 @@ class DraftTrainer:
         metrics: dict[str, float] = {"draft/skipped_samples": skipped, "draft/truncated_samples": truncated}
         if total == 0:
             return metrics
-        epochs = [self.trainer.sft_step(usable) for _ in range(self.epochs)]
+        epochs = [self.trainer.sft_step(usable, self.trainer.temperature) for _ in range(self.epochs)]
         metrics.update(
             {
                 "draft/loss": epochs[0]["train/loss"],

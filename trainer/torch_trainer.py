@@ -219,8 +219,9 @@ class TorchTrainer:
         metrics.update(self._throughput(samples, epochs, passes, time.perf_counter() - start))
         return metrics
 
-    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step of masked NLL over the response tokens (temperature 1) on all `samples`."""
+    def sft_step(self, samples: list[Sample], temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step of masked NLL over the response tokens of all `samples`, of the logits divided by
+        `temperature` (1 for SFT; a draft model trains at the rollout's)."""
         start = time.perf_counter()
         samples = self._tensor_parallel_union(samples)
         for i, sample in enumerate(samples):
@@ -233,7 +234,9 @@ class TorchTrainer:
         ]
         data = TokenData(loss_mask=masks, old_logprobs=None)
         all_ids = list(range(len(samples)))
-        step = self._optimizer_step(samples, all_ids, data, self.sft_loss, 1.0, False, entropy_coef=0.0)
+        step = self._optimizer_step(
+            samples, all_ids, data, self.sft_loss, temperature, False, entropy_coef=0.0
+        )
         metrics = _summarise([step])
         metrics.update(self._throughput(samples, 1, 3, time.perf_counter() - start))
         return metrics
