@@ -219,6 +219,8 @@ class Tracker:
                 "status": sample.status.value,
                 "response_length": sample.response_length,
             }
+            if sample.reward_info:  # a reward's extra keys and errors (which may quote a URL with its key)
+                row["reward_info"] = redact(sample.reward_info)
             if self.tokenizer is not None and sample.prompt_ids:
                 row["prompt_text"] = self.tokenizer.decode(sample.prompt_ids)  # exactly what the model saw
             self.samples_file.write(json.dumps(row, default=str) + "\n")

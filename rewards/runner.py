@@ -282,16 +282,21 @@ class RewardRunner:
         outcomes: dict[tuple[int, str], RewardOutcome],
     ) -> dict[str, float]:
         failed = timed_out = 0
+        numeric: dict[str, list[float]] = defaultdict(list)  # a reward's numeric extra keys, for their means
         for i, (sample, plan) in enumerate(zip(samples, plans)):
             total, info, errors, kinds = 0.0, {}, [], []
             for component in plan:
                 name, outcome = component.fn.name, outcomes[(i, component.fn.name)]
                 total += component.weight * outcome.score
+                extras = (
+                    {f"{name}/{k}": v for k, v in outcome.extras.items()} if self._multi else outcome.extras
+                )
                 if self._multi:
                     info[name] = outcome.score
-                    info.update({f"{name}/{k}": v for k, v in outcome.extras.items()})
-                else:
-                    info.update(outcome.extras)
+                info.update(extras)
+                for key, value in extras.items():
+                    if isinstance(value, int | float) and math.isfinite(value):  # (bools count as 0 / 1)
+                        numeric[key].append(float(value))
                 if outcome.failed:
                     errors.append(f"{name}: {outcome.error}" if self._multi else outcome.error)
                     kinds.append(outcome.error_kind)
@@ -314,6 +319,9 @@ class RewardRunner:
             "reward/errors": float(failed),
             "reward/timeouts": float(timed_out),
         }
+        for key, values in numeric.items():  # `P/count` weighs `P/mean` across data-parallel ranks
+            metrics[f"reward/info/{key}/mean"] = sum(values) / len(values)
+            metrics[f"reward/info/{key}/count"] = float(len(values))
         if self._multi:
             for name, indices in members.items():
                 scored = [outcomes[(i, name)] for i in indices]

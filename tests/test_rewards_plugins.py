@@ -57,11 +57,14 @@ def test_batched_reward_gets_the_whole_list_in_order() -> None:
 
 
 def test_dict_return_extra_fields_are_logged() -> None:
-    batch = samples_of("hello")
+    """A dict's extra keys go to reward_info, and the numeric ones' means to the step's metrics."""
+    batch = samples_of("hello", "hi")
     with RewardRunner(RewardConfig(fn=f"{USER}:dict_reward", num_workers=2)) as runner:
-        runner.score(batch)
+        metrics = runner.score(batch)
     assert batch[0].reward == 0.5
     assert batch[0].reward_info == {"length": 5, "tag": "hel"}
+    assert metrics["reward/info/length/mean"] == 3.5 and metrics["reward/info/length/count"] == 2.0
+    assert not any(key.startswith("reward/info/tag") for key in metrics)  # (text is not averaged)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -112,6 +115,7 @@ def test_weighted_rewards_with_namespaced_kwargs() -> None:
     assert batch[1].reward_info["dict_reward/length"] == 5
     assert metrics["reward/exact_match/mean"] == 0.5
     assert metrics["reward/dict_reward/mean"] == 0.5
+    assert metrics["reward/info/dict_reward/length/mean"] == 5.0
     assert metrics["reward/mean"] == pytest.approx(0.5)
 
 
