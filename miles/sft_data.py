@@ -9,6 +9,7 @@ from typing import Any
 
 from miles.data import PromptFormatter
 from miles.errors import MilesUserError
+from miles.models.tokenizer import special_tokens
 from miles.sample import Sample
 
 log = logging.getLogger("miles.sft")
@@ -47,9 +48,7 @@ def chat_turn_end(formatter: PromptFormatter) -> TurnEnd | None:
     if not closed.startswith(opened) or _PROBE not in closed:
         return None
     suffix = closed[closed.index(_PROBE) + len(_PROBE) :]
-    specials = set(getattr(tokenizer, "all_special_tokens", []))
-    specials |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    found = [(suffix.find(t), t) for t in specials if t and t in suffix]
+    found = [(suffix.find(t), t) for t in set(special_tokens(tokenizer).values()) if t and t in suffix]
     if not found:
         return None
     at, token = min(found, key=lambda f: (f[0], -len(f[1])))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
+from miles.models.tokenizer import special_tokens
 from miles.rollout.request import Request
 from miles.sample import Sample, SampleStatus
 
@@ -42,7 +42,7 @@ def hit_stop_string(req: Request, tokenizer: Any) -> bool:
     if cuts:
         texts.append(_text_before(req.output_ids, tail_ids, tail, min(cuts), tokenizer))
     # Without special tokens in the tail both texts are the same: one decode a step, as before.
-    special = not _special_ids(tokenizer).isdisjoint(tail_ids)
+    special = not special_tokens(tokenizer).keys().isdisjoint(tail_ids)
     if special and any(s in tokenizer.decode(tail_ids, skip_special_tokens=True) for s in stops):
         text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
         cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -71,33 +71,9 @@ def _text_before(ids: list[int], tail_ids: list[int], tail: str, cut: int, token
     text = tokenizer.decode(ids[: len(ids) - len(tail_ids) + lo], skip_special_tokens=True)
     # The stop string starts inside the next token's text: its part before the cut, unless it is a special
     # token's (left out).
-    if lo < len(tail_ids) and tail_ids[lo] not in _special_ids(tokenizer):
+    if lo < len(tail_ids) and tail_ids[lo] not in special_tokens(tokenizer):
         text += tail[len(tokenizer.decode(tail_ids[:lo], skip_special_tokens=False)) : cut]
     return text
-
-
-_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
-"""Per tokenizer, its `_special_ids` (a Llama 3 tokenizer's 256 reserved tokens take ~0.3 ms to list)."""
-
-
-def _special_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids `decode(skip_special_tokens=True)` leaves out: a tokenizers backend leaves out every added token
-    marked special, also those missing from `all_special_ids` (the tiny models' `<|endoftext|>` and
-    `<|im_start|>`); a Python tokenizer leaves out `all_special_ids`."""
-    try:
-        return _SPECIAL_IDS[tokenizer]
-    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced is not cached
-        pass
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    ids = frozenset(
-        {int(i) for i, token in added.items() if getattr(token, "special", False)}
-        | {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
-    )
-    try:
-        _SPECIAL_IDS[tokenizer] = ids
-    except TypeError:
-        pass
-    return ids
 
 
 def to_sample(

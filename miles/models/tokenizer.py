@@ -9,6 +9,8 @@ it with no custom code and no network.
 from __future__ import annotations
 
 import json
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,26 @@ def load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise MilesUserError(f"could not load the tokenizer in {path}: {e}") from e
+
+
+_SPECIAL_TOKENS: weakref.WeakKeyDictionary[Any, Mapping[int, str]] = weakref.WeakKeyDictionary()
+"""Per tokenizer, its `special_tokens` (a Llama 3 tokenizer's 256 reserved tokens take ~0.3 ms to list)."""
+
+
+def special_tokens(tokenizer: Any) -> Mapping[int, str]:
+    """Id -> text of the tokens `decode(skip_special_tokens=True)` leaves out: a tokenizers backend leaves out
+    every added token marked special, also those missing from `all_special_ids` (the tiny models'
+    `<|endoftext|>` and `<|im_start|>`); a Python tokenizer leaves out `all_special_ids`."""
+    try:
+        return _SPECIAL_TOKENS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced is not cached
+        pass
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {int(i): str(t.content) for i, t in added.items() if getattr(t, "special", False)}
+    for i in getattr(tokenizer, "all_special_ids", None) or ():
+        found.setdefault(int(i), str(tokenizer.convert_ids_to_tokens(int(i))))
+    try:
+        _SPECIAL_TOKENS[tokenizer] = found
+    except TypeError:
+        pass
+    return found
