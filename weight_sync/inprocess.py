@@ -121,6 +121,10 @@ class InProcessWeightSync:
         own: dict[str, int] = {}
         moved = 0
         place = self._engine_places() if self.verify and not self.shares_weights else None
+        places: dict[str, tuple[str, torch.Tensor] | None] = {}
+        """Each streamed name's place in the engine (None: one it does not keep), for the check after."""
+        refused: set[str] = set()
+        """Streamed names the engine has no place for (it refuses them, saying why)."""
 
         def passing(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
             """Each tensor on its way to the engine, counted and fingerprinted (as the engine will store it,
@@ -130,9 +134,10 @@ class InProcessWeightSync:
                 dtype = engine_dtype
                 if place is not None:
                     try:
-                        found = place(name)
+                        found = places[name] = place(name)
                     except KeyError:
-                        found = None  # the engine refuses it, saying why
+                        found = None
+                        refused.add(name)
                     dtype = found[1].dtype if found is not None else engine_dtype
                 moved += tensor.numel() * dtype.itemsize
                 if self.verify:
@@ -154,22 +159,21 @@ class InProcessWeightSync:
         seconds = time.perf_counter() - start
         mismatched: list[str] = []
         if place is not None:  # shared: the engine's tensors are the trainer's
-            mismatched = self._check_engine(expected, place)
+            mismatched = self._check_engine(expected, places, refused)
         return SyncResult(version, seconds, moved, not mismatched, mismatched, own)
 
     def _check_engine(
-        self, expected: dict[str, int], place: Callable[[str], tuple[str, torch.Tensor] | None]
+        self,
+        expected: dict[str, int],
+        places: dict[str, tuple[str, torch.Tensor] | None],
+        refused: set[str],
     ) -> list[str]:
-        """The streamed names whose place in the engine does not hold them bit for bit, and the engine's
-        parameters no streamed tensor went into (the engine would run them stale)."""
-        mismatched: list[str] = []
+        """The streamed names the engine refused or whose place in it does not hold them bit for bit, and the
+        engine's parameters no streamed tensor went into (the engine would run them stale)."""
+        mismatched = [name for name in expected if name in refused]
         covered: set[str] = set()
         for name, fingerprint in expected.items():
-            try:
-                found = place(name)
-            except KeyError:
-                mismatched.append(name)
-                continue
+            found = places.get(name)
             if found is None:
                 continue
             covered.add(found[0])
