@@ -73,15 +73,13 @@ def check_algorithm(config: MilesConfig) -> None:
     from miles.models.checkpoint import DTYPES
     from miles.trainer.algorithms import get_advantage, get_policy_loss
     from miles.trainer.losses import LOSS_AGG_MODES
+    from miles.trainer.torch_trainer import FLOAT16_REFUSED
 
     algorithm, rollout = config.algorithm, config.rollout
     if config.model.dtype not in DTYPES:
         raise MilesUserError(f"model.dtype={config.model.dtype}: use one of {', '.join(DTYPES)}")
     if config.model.dtype == "float16":  # (the trainer refuses it too, but only after the run folder exists)
-        raise MilesUserError(
-            "model.dtype=float16 cannot be trained here (the trainer has no loss scaling, and float16 gradients "
-            "underflow without it); use model.dtype=bfloat16"
-        )
+        raise MilesUserError(FLOAT16_REFUSED)
     for key in ("global_batch_size", "epochs_per_rollout"):
         if getattr(config.trainer, key) < 1:
             raise MilesUserError(f"trainer.{key} must be at least 1, got {getattr(config.trainer, key)}")

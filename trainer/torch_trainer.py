@@ -60,6 +60,12 @@ class TokenData:
     """On-policy: the old logprobs the training forward produced, for the mismatch metrics."""
 
 
+FLOAT16_REFUSED = (
+    "model.dtype=float16 cannot be trained here (the trainer has no loss scaling, and float16 gradients "
+    "underflow without it); use model.dtype=bfloat16"
+)
+
+
 class TorchTrainer:
     def __init__(
         self,
@@ -103,10 +109,7 @@ class TorchTrainer:
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.sft_loss = get_policy_loss("sft")
         if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
-            raise ValueError(
-                "model.dtype=float16 cannot be trained here (the trainer has no loss scaling, and float16 "
-                "gradients underflow without it); use model.dtype=bfloat16"
-            )
+            raise ValueError(FLOAT16_REFUSED)
         self.masters = MasterWeights(model) if wants_master_weights(model, cfg.master_weights) else None
         """Float32 copies of a bf16 model's weights, which the optimizer updates (trainer/master_weights.py)."""
         trainable = (
