@@ -143,13 +143,9 @@ class EngineClient:
         branch = self._branches.get(key, 0)
         self._branches[key] = branch + 1
         seed = params.seed if params.seed is None or branch == 0 else derive_seed(params.seed, branch)
-        # A turn that outgrows a KV pool smaller than the context would be aborted by the engine, which drops
-        # the whole trajectory from training: capped here, it ends TRUNCATED where the engine can hold no more,
-        # as it does at the end of the context (the draws do not depend on the cap).
-        room = self.max_context - len(ids)
-        limit = min(params.max_new_tokens, room) if room >= 1 else params.max_new_tokens  # else refused
-        turn = params.with_(n=1, seed=seed, max_new_tokens=limit)
-        return await self._rollout._submit(self, ids, turn, self._sample)
+        # (A turn that outgrows the KV pool ends TRUNCATED where the pool is full, as at the end of the
+        # context: the engine's own `max_seq_len`.)
+        return await self._rollout._submit(self, ids, params.with_(n=1, seed=seed), self._sample)
 
 
 class MultiTurnRollout:
