@@ -2,7 +2,8 @@ import os
 
 import pytest
 import torch
-from rollout_helpers import OVERLAP_MODE
+
+from tests.support.models import OVERLAP_MODE
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
