@@ -270,7 +270,7 @@ class AlgorithmConfig:
     """Upper cap of the TIS ratio."""
     group_filter: str = ""
     """Dynamic sampling (DAPO): train only on the groups this filter keeps, topping the step up with groups of
-    further prompts (miles/group_filter.py). `nonzero_std` keeps groups whose rewards are not all equal;
+    further prompts (trainer/group_filter.py). `nonzero_std` keeps groups whose rewards are not all equal;
     `pkg.mod:func` / `path/file.py:func` takes one group's scored samples and returns True to keep it.
     "" = off (every group trains)."""
     filter_max_batches: int = 4

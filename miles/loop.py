@@ -28,15 +28,7 @@ from miles.data import PromptFormatter, PromptLoader, load_rows, to_samples
 from miles.distributed import SINGLE, DataParallel, gather_samples, reduce_metrics
 from miles.errors import MilesUserError
 from miles.evaluate import evaluate
-from miles.group_filter import (
-    combine_round_metrics,
-    filter_metrics,
-    kept_groups,
-    load_group_filter,
-    trainable,
-)
 from miles.model_io import load_model
-from miles.overlong import apply_overlong_penalty
 from miles.resume import (
     DRAFT_DIR,
     DRAFT_HEAD_DIR,
@@ -50,6 +42,14 @@ from miles.resume import (
 from miles.sample import Sample, SampleStatus
 from miles.sft_data import end_of_turn_id
 from miles.tracking import Tracker, check_new_run_dir, read_records, redact
+from miles.trainer.group_filter import (
+    combine_round_metrics,
+    filter_metrics,
+    kept_groups,
+    load_group_filter,
+    trainable,
+)
+from miles.trainer.overlong import apply_overlong_penalty
 from miles.utilization import busy_meter
 
 log = logging.getLogger("miles.loop")
@@ -224,7 +224,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
     from miles.rollout.draft_head import load_head
     from miles.rollout.draft_model import load_draft_model
     from miles.rollout.multiturn import MultiTurnRollout
-    from miles.trainer import TorchTrainer
+    from miles.trainer import PolicyTrainer
     from miles.trainer.algorithms import compute_advantages
     from miles.trainer.backends import build_policy
     from miles.trainer.draft_head_trainer import DraftHeadTrainer
@@ -255,7 +255,7 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
         cfg.trainer.precision,
         cfg.trainer.tensor_parallel_size,
     )
-    trainer = TorchTrainer(
+    trainer = PolicyTrainer(
         policy, cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature, ref_model=ref_model, dp=dp
     )
     draft, head, draft_trainer = None, None, None

@@ -50,7 +50,7 @@ class RunState:
     config: dict[str, Any]
     """The run's config (redacted), flattened to dotted keys."""
     trainer: dict[str, Any]
-    """`TorchTrainer.state_dict()`: {"tensors": ..., "meta": ...}."""
+    """`PolicyTrainer.state_dict()`: {"tensors": ..., "meta": ...}."""
     loader: dict[str, Any]
     """`PromptLoader.state_dict()`."""
     engine: dict[str, Any]

@@ -27,8 +27,8 @@ def run_from_hydra(cfg: DictConfig) -> None:
 def check_supported(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
     from miles import distributed
-    from miles.group_filter import load_group_filter
     from miles.trainer.backends import check_backend
+    from miles.trainer.group_filter import load_group_filter
 
     check_backend(config.trainer.backend)
     if config.placement.mode != "embedded":
@@ -73,7 +73,7 @@ def check_algorithm(config: MilesConfig) -> None:
     from miles.models.checkpoint import DTYPES
     from miles.trainer.algorithms import get_advantage, get_policy_loss
     from miles.trainer.losses import LOSS_AGG_MODES
-    from miles.trainer.torch_trainer import FLOAT16_REFUSED
+    from miles.trainer.policy_trainer import FLOAT16_REFUSED
 
     algorithm, rollout = config.algorithm, config.rollout
     if config.model.dtype not in DTYPES:

@@ -42,7 +42,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
     batch (gradients summed across ranks) and rank 0 writes the run folder."""
     from miles.rewards import RewardRunner
     from miles.rollout import Engine
-    from miles.trainer import TorchTrainer
+    from miles.trainer import PolicyTrainer
     from miles.trainer.backends import build_policy, copy_policy_into
 
     if cfg.trainer.resume_from:
@@ -76,7 +76,7 @@ def run_sft(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[
         precision=cfg.trainer.precision,
         tensor_parallel=cfg.trainer.tensor_parallel_size,
     )
-    trainer = TorchTrainer(
+    trainer = PolicyTrainer(
         policy, cfg.trainer, cfg.algorithm, temperature=1.0, total_optimizer_steps=steps, dp=dp
     )
     tracker = Tracker(run_dir, cfg.logging, redact(asdict(cfg)), cfg.recipe, steps) if dp.is_main else None

@@ -8,12 +8,12 @@ from miles.trainer.algorithms import (
     register_policy_loss,
 )
 from miles.trainer.losses import PolicyLossInput, PolicyLossOutput
-from miles.trainer.torch_trainer import TorchTrainer
+from miles.trainer.policy_trainer import PolicyTrainer
 
 __all__ = [
     "PolicyLossInput",
     "PolicyLossOutput",
-    "TorchTrainer",
+    "PolicyTrainer",
     "compute_advantages",
     "get_advantage",
     "get_policy_loss",

@@ -1,4 +1,4 @@
-"""`miles bench train`: one RL update (`TorchTrainer.train_step`) on random weights, per trainer backend.
+"""`miles bench train`: one RL update (`PolicyTrainer.train_step`) on random weights, per trainer backend.
 
 A preset (or a checkpoint folder) is built in place; `--samples` sequences of `--prompt-len` + `--response-len`
 random tokens with random advantages are trained on, `--steps` times after one warm-up step, with each
@@ -28,7 +28,7 @@ from miles.models import CausalLM
 from miles.models.presets import PRESETS, build_random_model, preset_args
 from miles.sample import Sample
 from miles.trainer.backends import BACKENDS, build_policy
-from miles.trainer.torch_trainer import TorchTrainer
+from miles.trainer.policy_trainer import PolicyTrainer
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -104,7 +104,9 @@ def bench_backend(
         lr=1e-6,
     )
     policy = build_policy(backend, model, precision=a.precision)
-    trainer = TorchTrainer(policy, cfg, AlgorithmConfig(), temperature=1.0, total_optimizer_steps=a.steps + 1)
+    trainer = PolicyTrainer(
+        policy, cfg, AlgorithmConfig(), temperature=1.0, total_optimizer_steps=a.steps + 1
+    )
     on_cuda = model.device.type == "cuda"
     first = trainer.train_step(copy.deepcopy(samples))  # warm-up (allocations, kernel selection)
     if on_cuda:
@@ -139,7 +141,7 @@ def bench_backend(
     return result
 
 
-def _profile(trainer: TorchTrainer, samples: list[Sample], top: int) -> dict[str, Any]:
+def _profile(trainer: PolicyTrainer, samples: list[Sample], top: int) -> dict[str, Any]:
     """Device time of one update by kernel: the total, and the `top` costliest kernels with their calls."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -226,7 +226,7 @@ class DraftHeadTrainer:
 
     def _step(self) -> tuple[float, bool]:
         """Sum the ranks' gradients, clip, step; returns the global gradient norm before clipping and
-        whether the step was skipped (a non-finite norm, as TorchTrainer skips it: AdamW would write the
+        whether the step was skipped (a non-finite norm, as PolicyTrainer skips it: AdamW would write the
         NaN into the weights and moments for good)."""
         for param in self.params:  # a rank without samples still takes part in the sums
             if param.grad is None:
@@ -234,7 +234,7 @@ class DraftHeadTrainer:
         grads = [param.grad for param in self.params]
         for g in grads:
             self.dp.all_reduce(g)
-        # As TorchTrainer clips: torch's own clip over the summed gradients (0 disables clipping).
+        # As PolicyTrainer clips: torch's own clip over the summed gradients (0 disables clipping).
         clip = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         # The norm is of the summed gradients, so every rank takes the same decision.
@@ -300,7 +300,7 @@ class DraftHeadTrainer:
             if entry:  # load_state_dict moves them to the parameter's device
                 saved["state"][idx] = entry
         # Only the per-parameter state is the checkpoint's: lr, betas, eps and weight_decay stay this run's
-        # (as DraftTrainer's TorchTrainer does), so settings changed for the resume take effect.
+        # (as DraftTrainer's PolicyTrainer does), so settings changed for the resume take effect.
         self.optimizer.load_state_dict(saved)
 
     def _index_names(self) -> dict[int, str]:

@@ -31,7 +31,7 @@ from miles.models.model import CausalLM
 from miles.resume import DRAFT_DIR
 from miles.sample import Sample, SampleStatus
 from miles.trainer.packing import response_loss_mask
-from miles.trainer.torch_trainer import TorchTrainer
+from miles.trainer.policy_trainer import PolicyTrainer
 
 
 def draft_trainer_config(trainer: TrainerConfig, rollout: RolloutConfig) -> TrainerConfig:
@@ -89,7 +89,7 @@ class DraftTrainer:
         self.max_tokens = draft.args.context_length
         draft.requires_grad_(True)  # a draft loaded for the engine alone may come frozen
         # The sft loss reads only the loss aggregation and the entropy coefficient of the algorithm.
-        self.trainer = TorchTrainer(
+        self.trainer = PolicyTrainer(
             draft,
             draft_trainer_config(trainer, rollout),
             replace(algorithm, kl_coef=0.0),

@@ -14,7 +14,7 @@ and its optimizer state is keyed by megatron's names. Four pieces are ours, each
     its `SequentialMLP` loops over experts, so `GroupedExperts` (megatron_experts.py) takes the dispatcher's
     permuted tokens into torch's grouped GEMMs.
 
-`TorchTrainer` drives it unchanged (`forward_packed`, `lm_head`, `args`, `device`, `dtype`); the engine keeps
+`PolicyTrainer` drives it unchanged (`forward_packed`, `lm_head`, `args`, `device`, `dtype`); the engine keeps
 its own `CausalLM`, which the weight sync fills from `engine_weights()` (megatron's layout converted, see
 megatron_layout.py), with the checksum proving both sides agree after every step.
 
@@ -318,7 +318,7 @@ def _float32_gating(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronPolicy(nn.Module):
-    """A megatron-core GPTModel with the interface `TorchTrainer` and `packed_logprobs` use."""
+    """A megatron-core GPTModel with the interface `PolicyTrainer` and `packed_logprobs` use."""
 
     def __init__(
         self, args: ModelArgs, dtype: torch.dtype, device: torch.device, tensor_parallel: int = 1

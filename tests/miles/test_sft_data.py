@@ -159,7 +159,7 @@ def test_the_sft_loss_is_the_token_mean_nll_of_the_assistant_tokens_over_micro_b
 
     from miles.config import AlgorithmConfig, OptimConfig, TrainerConfig
     from miles.models import CausalLM, ModelArgs
-    from miles.trainer import TorchTrainer
+    from miles.trainer import PolicyTrainer
 
     args = dict(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=2)
     model = CausalLM(ModelArgs(model_type="llama", num_attention_heads=2, num_key_value_heads=1, **args))
@@ -190,7 +190,7 @@ def test_the_sft_loss_is_the_token_mean_nll_of_the_assistant_tokens_over_micro_b
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     cfg = TrainerConfig(optim=OptimConfig(grad_clip=0.0), micro_batch_tokens=8)
-    trainer = TorchTrainer(model, cfg, AlgorithmConfig(name="sft", policy_loss="sft", tis=False), 1.0)
+    trainer = PolicyTrainer(model, cfg, AlgorithmConfig(name="sft", policy_loss="sft", tis=False), 1.0)
     kept = {}
     step = trainer.optimizer.step
 

@@ -13,7 +13,7 @@ from miles.config import AlgorithmConfig, OptimConfig, TrainerConfig
 from miles.distributed import DataParallel
 from miles.models import CausalLM
 from miles.sample import Sample
-from miles.trainer import TorchTrainer
+from miles.trainer import PolicyTrainer
 from tests.support.trainer import VOCAB, tiny_model
 
 
@@ -46,7 +46,7 @@ def scored_samples(n: int, seed: int = 0) -> list[Sample]:
     return samples
 
 
-def make_trainer(model: CausalLM, case: dict, dp: DataParallel) -> TorchTrainer:
+def make_trainer(model: CausalLM, case: dict, dp: DataParallel) -> PolicyTrainer:
     cfg = TrainerConfig(
         global_batch_size=case["global_batch_size"],
         micro_batch_tokens=case.get("micro_batch_tokens", 24),
@@ -55,7 +55,7 @@ def make_trainer(model: CausalLM, case: dict, dp: DataParallel) -> TorchTrainer:
         lr=case.get("lr", 1e-2),
     )
     algorithm = AlgorithmConfig(loss_agg=case["loss_agg"], tis=case.get("tis", False), entropy_coef=0.01)
-    return TorchTrainer(model, cfg, algorithm, temperature=1.0, dp=dp)
+    return PolicyTrainer(model, cfg, algorithm, temperature=1.0, dp=dp)
 
 
 def train_worker(rank: int, world: int, port: int, case: dict, out_dir: str) -> None:

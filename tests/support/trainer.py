@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from miles.config import AlgorithmConfig, OptimConfig, TrainerConfig
 from miles.models import CausalLM, ModelArgs
 from miles.sample import Sample
-from miles.trainer import TorchTrainer
+from miles.trainer import PolicyTrainer
 
 VOCAB = 32
 
@@ -60,7 +60,7 @@ def reference_logprobs(
     return token, -(log_probs.exp() * log_probs).sum(-1)
 
 
-def keep_gradients(trainer: TorchTrainer) -> list[dict[str, torch.Tensor]]:
+def keep_gradients(trainer: PolicyTrainer) -> list[dict[str, torch.Tensor]]:
     """The gradients each optimizer step of `trainer` takes (the trainer frees them right after), by name."""
     kept: list[dict[str, torch.Tensor]] = []
     step = trainer.optimizer.step
@@ -80,7 +80,7 @@ def make_trainer(
     algorithm: AlgorithmConfig | None = None,
     temperature: float = 1.0,
     **cfg_kwargs,
-) -> TorchTrainer:
+) -> PolicyTrainer:
     optim = cfg_kwargs.pop("optim", OptimConfig(grad_clip=0.0))
     cfg = TrainerConfig(optim=optim, **cfg_kwargs)
-    return TorchTrainer(model, cfg, algorithm or AlgorithmConfig(tis=False), temperature, ref_model=ref)
+    return PolicyTrainer(model, cfg, algorithm or AlgorithmConfig(tis=False), temperature, ref_model=ref)

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from miles.config import AlgorithmConfig, OptimConfig
-from miles.overlong import overlong_penalty
 from miles.sample import Sample
 from miles.trainer.algorithms import compute_advantages, get_policy_loss
 from miles.trainer.kl import kl_estimate
 from miles.trainer.logprobs import chunked_logprobs
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
-from miles.trainer.torch_trainer import _tis_weights
+from miles.trainer.overlong import overlong_penalty
+from miles.trainer.policy_trainer import _tis_weights
 from tests.support.trainer import make_trainer, random_samples, reference_logprobs, tiny_model
 
 

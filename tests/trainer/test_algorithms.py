@@ -14,7 +14,7 @@ from miles.sample import Sample
 from miles.trainer.algorithms import compute_advantages, get_advantage, get_policy_loss, register_advantage
 from miles.trainer.kl import kl_estimate
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
-from miles.trainer.torch_trainer import _mismatch_metrics, _tis_weights
+from miles.trainer.policy_trainer import _mismatch_metrics, _tis_weights
 
 
 def scored(rewards_by_group: list[list[float]]) -> list[Sample]:

@@ -255,7 +255,7 @@ def test_a_resumed_head_trains_with_this_runs_optimizer_settings() -> None:
 
 
 def test_a_non_finite_gradient_skips_the_head_step() -> None:
-    """As TorchTrainer: a NaN gradient norm skips the update (counted in `draft/skipped_steps`) instead of
+    """As PolicyTrainer: a NaN gradient norm skips the update (counted in `draft/skipped_steps`) instead of
     writing NaN into the head and its AdamW moments."""
     trainer = _head_trainer(1e-3)
     before = [p.detach().clone() for p in trainer.head.parameters()]

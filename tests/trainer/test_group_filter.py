@@ -1,4 +1,4 @@
-"""Dynamic sampling (`algorithm.group_filter`, miles/group_filter.py): the filter, the metrics of a step's
+"""Dynamic sampling (`algorithm.group_filter`, trainer/group_filter.py): the filter, the metrics of a step's
 batches, and the loop topping a step up with further batches of prompts (one process and two)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from miles.errors import MilesUserError
-from miles.group_filter import combine_round_metrics, kept_groups, load_group_filter, nonzero_std
 from miles.sample import Sample, SampleStatus
+from miles.trainer.group_filter import combine_round_metrics, kept_groups, load_group_filter, nonzero_std
 from tests.support.cli import run_miles
 
 
@@ -145,7 +145,7 @@ def test_two_processes_filter_the_whole_batch_alike(tmp_path: Path, monkeypatch:
 
 
 def test_the_overlong_penalty_grows_over_the_buffer() -> None:
-    from miles.overlong import apply_overlong_penalty, overlong_penalty
+    from miles.trainer.overlong import apply_overlong_penalty, overlong_penalty
 
     assert [overlong_penalty(n, 20, 4, 1.0) for n in (0, 16, 17, 18, 20, 25)] == [
         0.0,

@@ -7,7 +7,7 @@ import torch
 from miles.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from miles.models import CausalLM, ModelArgs
 from miles.rollout import Engine, SamplingParams
-from miles.trainer import TorchTrainer
+from miles.trainer import PolicyTrainer
 
 
 def test_trainer_replays_the_engines_routing() -> None:
@@ -36,7 +36,7 @@ def test_trainer_replays_the_engines_routing() -> None:
         assert len(s.routed_experts) == len(s.prompt_ids) + len(s.response_ids) - 1
         assert len(s.routed_experts[0]) == 2 and len(s.routed_experts[0][0]) == 2  # [layer][top_k]
 
-    trainer = TorchTrainer(model, TrainerConfig(routing_replay=True), AlgorithmConfig(), temperature=1.0)
+    trainer = PolicyTrainer(model, TrainerConfig(routing_replay=True), AlgorithmConfig(), temperature=1.0)
     replayed = trainer.logprobs(samples)
     for s, lp in zip(samples, replayed):
         assert torch.allclose(

@@ -1,4 +1,4 @@
-"""TorchTrainer on a tiny Qwen3-MoE: packed logprobs vs a plain forward, gradient accumulation vs a
+"""PolicyTrainer on a tiny Qwen3-MoE: packed logprobs vs a plain forward, gradient accumulation vs a
 hand-written big-batch loss, learning direction, SFT, LR schedule, optimizer state, routing replay."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`TorchTrainer`: the `torch` backend — our `CausalLM`, AdamW, packed micro-batches, gradient accumulation.
+"""`PolicyTrainer`: the `torch` backend — our `CausalLM`, AdamW, packed micro-batches, gradient accumulation.
 
 One `train_step(samples)` is one RL update on a scored rollout batch:
   1. recompute the logprobs of the rollout tokens under the current weights (no grad): the PPO "old"
@@ -66,7 +66,7 @@ FLOAT16_REFUSED = (
 )
 
 
-class TorchTrainer:
+class PolicyTrainer:
     def __init__(
         self,
         model: CausalLM,
