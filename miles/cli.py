@@ -9,11 +9,11 @@ import sys
 from miles.errors import MilesUserError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("miles.train_cli:main", "run a recipe: miles train recipe=grpo_math [key=value ...]"),
-    "generate": ("miles.generate_cli:main", "prompts file -> completions through the rollout engine"),
-    "eval": ("miles.eval_cli:main", "greedy accuracy of a checkpoint on a held-out set"),
-    "serve": ("miles.serve_cli:main", "the rollout engine behind an OpenAI-compatible API (127.0.0.1)"),
-    "reward": ("miles.rewards.cli:main", "score a jsonl of samples with any reward function"),
+    "train": ("miles.commands.train:main", "run a recipe: miles train recipe=grpo_math [key=value ...]"),
+    "generate": ("miles.commands.generate:main", "prompts file -> completions through the rollout engine"),
+    "eval": ("miles.commands.eval:main", "greedy accuracy of a checkpoint on a held-out set"),
+    "serve": ("miles.serve.cli:main", "the rollout engine behind an OpenAI-compatible API (127.0.0.1)"),
+    "reward": ("miles.commands.reward:main", "score a jsonl of samples with any reward function"),
     "bench": ("", "benchmarks: miles bench rollout|reward|attention|layers|moe|train ..."),
     "init-model": ("miles.models.init_model:main", "write a random-initialised HF checkpoint + tokenizer"),
     "convert": (
@@ -22,12 +22,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 BENCHES: dict[str, str] = {
-    "rollout": "miles.rollout.bench:main",
-    "reward": "miles.rewards.bench:main",
-    "attention": "miles.rollout.bench_attention:main",
-    "layers": "miles.rollout.bench_layers:main",
-    "moe": "miles.rollout.bench_moe:main",
-    "train": "miles.trainer.bench_train:main",
+    "rollout": "miles.bench.rollout:main",
+    "reward": "miles.bench.rewards:main",
+    "attention": "miles.bench.attention:main",
+    "layers": "miles.bench.layers:main",
+    "moe": "miles.bench.moe:main",
+    "train": "miles.bench.train:main",
+    "sync": "miles.bench.sync:main",
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from miles import synthetic_math
 from miles.config import DataConfig
+from miles.data_files import Records, json_type, load_saved_dataset, read_json, read_jsonl, read_parquet
 from miles.errors import MilesUserError
 from miles.sample import Sample
 
@@ -106,23 +107,54 @@ def check_label_key(records: list[dict[str, Any]], cfg: DataConfig, where: str) 
         )
 
 
-def rows_from_records(records: list[dict[str, Any]], cfg: DataConfig, where: str) -> list[PromptRow]:
+def rows_from_records(records: Records, cfg: DataConfig, where: str) -> list[PromptRow]:
     """`row_from_record` of each record, after `check_label_key` over all of them (`where` names the data in
-    the error)."""
-    check_label_key(records, cfg, where)
-    return [row_from_record(r, cfg) for r in records]
+    that error; each row's own errors name its file and line or row)."""
+    check_label_key(records.rows, cfg, where)
+    return [row_from_record(r, cfg, records.where(i)) for i, r in enumerate(records.rows)]
 
 
-def row_from_record(record: dict[str, Any], cfg: DataConfig) -> PromptRow:
+_PROMPT_FORMS = (
+    'a prompt is text or a list of chat messages like {"role": "user", "content": "..."}; fix or drop the '
+    "row, or set data.prompt_key to the column that holds the prompt"
+)
+
+
+def check_prompt(prompt: Any, key: str, where: str) -> None:
+    """A prompt the formatter can use: non-blank text, or a non-empty list of {role, content} messages."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise MilesUserError(f"{where}: {key!r} is empty; {_PROMPT_FORMS}")
+        return
+    if not isinstance(prompt, list):
+        kind = "null" if prompt is None else f"a {json_type(prompt)}"
+        raise MilesUserError(f"{where}: {key!r} is {kind}; {_PROMPT_FORMS}")
+    if not prompt:
+        raise MilesUserError(f"{where}: {key!r} is an empty list of messages; {_PROMPT_FORMS}")
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            problem = f"a JSON {json_type(message)}, not a message object"
+        elif not isinstance(message.get("role"), str):
+            problem = "a message without a 'role' (text)"
+        elif "content" not in message:
+            problem = "a message without 'content'"
+        else:
+            continue
+        raise MilesUserError(f"{where}: {key!r}[{j}] is {problem}; {_PROMPT_FORMS}")
+
+
+def row_from_record(record: dict[str, Any], cfg: DataConfig, where: str = "a data row") -> PromptRow:
     """One dataset record -> PromptRow. verl's schema: `prompt` (chat messages), `reward_model.ground_truth`,
-    `data_source`, `extra_info`."""
+    `data_source`, `extra_info`. `where` (`FILE:LINE`, `FILE row N`) is named in its errors."""
     if cfg.prompt_key not in record:
         raise MilesUserError(
-            f"data row has no {cfg.prompt_key!r} column (columns: {sorted(record)}); set data.prompt_key"
+            f"{where} has no {cfg.prompt_key!r} column (it has {sorted(record)}); set data.prompt_key to the "
+            "column that holds the prompt, or fix the row"
         )
     prompt = record[cfg.prompt_key]
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
+    check_prompt(prompt, cfg.prompt_key, where)
     if isinstance(prompt, list):
         prompt = [dict(m) for m in prompt]
     label = _get_path(record, cfg.label_key)
@@ -170,12 +202,10 @@ def _pick_split(ds: Any, path: str, split: str | None, preferred: tuple[str, ...
     return ds[chosen]
 
 
-def _load_records(
-    path: str, preferred: tuple[str, ...] = TRAIN_SPLITS, role: str = "data.path"
-) -> list[dict[str, Any]]:
-    """Records of a jsonl / parquet file or a saved dataset folder. For a saved DatasetDict, `DIR:split` reads
-    that split; a bare DIR reads the first of `preferred` it has (train for training, test then validation
-    for evaluation)."""
+def _load_records(path: str, preferred: tuple[str, ...] = TRAIN_SPLITS, role: str = "data.path") -> Records:
+    """Records of a jsonl / json / parquet file or a saved dataset folder (data_files.py: errors name the file
+    and line). For a saved DatasetDict, `DIR:split` reads that split; a bare DIR reads the first of `preferred`
+    it has (train for training, test then validation for evaluation)."""
     import datasets
 
     path, split = split_path(path)
@@ -185,22 +215,26 @@ def _load_records(
             f"data file {path} does not exist; pass data.path=<jsonl | parquet | saved dataset[:split]>"
         )
     if p.is_dir():
-        ds = datasets.load_from_disk(str(p))
+        ds = load_saved_dataset(p)
         if isinstance(ds, datasets.DatasetDict):
             ds = _pick_split(ds, path, split, preferred, role)
         elif split is not None:
             raise MilesUserError(
                 f"{role}={path}:{split}: {path} is a single saved dataset with no splits; drop ':{split}'"
             )
-    elif p.suffix in (".jsonl", ".json"):
-        ds = datasets.load_dataset("json", data_files=str(p), split="train")
-    elif p.suffix == ".parquet":
-        ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
-    else:
-        raise MilesUserError(
-            f"cannot read {path}: use .jsonl, .json, .parquet or a datasets.save_to_disk folder"
-        )
-    return list(ds)
+        rows = list(ds)
+        if not rows:
+            raise MilesUserError(
+                f"{role}={path}: the dataset has no rows; a data set needs rows with a prompt"
+            )
+        return Records(rows, path)
+    if p.suffix == ".jsonl":
+        return read_jsonl(p, path)
+    if p.suffix == ".json":
+        return read_json(p, path)
+    if p.suffix == ".parquet":
+        return read_parquet(p, path)
+    raise MilesUserError(f"cannot read {path}: use .jsonl, .json, .parquet or a datasets.save_to_disk folder")
 
 
 def _reasoning_gym_rows(task: str, cfg: DataConfig) -> tuple[list[PromptRow], list[PromptRow]]:

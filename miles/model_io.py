@@ -79,9 +79,8 @@ def resolve_path(path: str) -> Path | None:
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: int = 0) -> LoadedModel:
-    from transformers import AutoTokenizer
-
     from miles.models import from_pretrained
+    from miles.models.tokenizer import check_tokenizer, load_tokenizer
 
     dev = pick_device(device)
     folder = resolve_path(path)
@@ -97,14 +96,14 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto", seed: in
         args.eos_token_id, args.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         model = build_random_model(args, dtype=dtype, device=dev, seed=seed)
         return LoadedModel(model, tokenizer, "")
+    # The tokenizer first: it is cheap, and a folder without one is refused before gigabytes of weights load.
+    tokenizer = load_tokenizer(folder)
+    check_tokenizer(tokenizer, folder)
     try:
         model = from_pretrained(folder, dtype=dtype, device=dev)
+    except MilesUserError:
+        raise
     except (FileNotFoundError, ValueError, KeyError) as e:  # no safetensors, an unknown architecture, ...
         raise MilesUserError(f"cannot load the checkpoint {folder}: {e.args[0] if e.args else e}") from e
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise MilesUserError(
-            f"{folder} has no usable tokenizer files ({e}); copy the model's tokenizer there"
-        ) from e
+    check_tokenizer(tokenizer, folder, vocab_size=model.args.vocab_size)
     return LoadedModel(model, tokenizer, str(folder))

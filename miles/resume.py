@@ -1,4 +1,4 @@
-"""Resuming an RL run from one of its checkpoints (`trainer.resume_from`).
+"""Run checkpoints: writing `checkpoints/step_N/` and resuming a run from one (`trainer.resume_from`).
 
 A checkpoint folder `checkpoints/step_N/` holds the model in Hugging Face format and, in its `resume/`
 subfolder, what the run needs to go on as if it had never stopped: `trainer_state.safetensors` (the
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,3 +224,31 @@ def find_checkpoint(spec: str, run_dir: Path, recipe: str | None = None) -> Path
         f"trainer.resume_from={spec!r} is neither a checkpoint folder (checkpoints/step_N with {RESUME_DIR}/) "
         "nor a run folder holding one"
     )
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    tokenizer: object,
+    run_dir: Path,
+    step: int,
+    write_extra: Callable[[Path], None] | None = None,
+    keep_last: int = 0,
+) -> Path:
+    """Write `checkpoints/step_N/` (atomically, removing what earlier saves cut short left); with `keep_last`
+    > 0, then remove all but the newest `keep_last` step folders."""
+    from miles.models import save_pretrained
+
+    folder = run_dir / "checkpoints" / f"step_{step:06d}"
+    # What a save cut short (killed, disk full) left: this run holds its folder, so no other save is running.
+    for partial in folder.parent.glob(".step_*.tmp-*"):
+        shutil.rmtree(partial, ignore_errors=True)
+    saved = save_pretrained(model, folder, tokenizer=tokenizer, write_extra=write_extra)
+    if keep_last > 0:
+        steps = sorted(
+            (p for p in folder.parent.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+            key=lambda p: int(p.name[5:]),  # by number: names past 6 digits sort wrongly as text
+        )
+        for old in steps[:-keep_last]:
+            if old != saved:
+                shutil.rmtree(old, ignore_errors=True)
+    return saved

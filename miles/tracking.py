@@ -1,7 +1,10 @@
 """Run tracking: metrics.jsonl, samples.jsonl, W&B (offline without an API key), plots, a progress bar.
 
-Every write is append-and-flush, so a crash loses at most the step in flight; a resume into the run's own
-folder rewrites the files whole, through a temporary file, so a crash leaves the old or the new version.
+Every write is append-and-flush, so a crash loses at most the step in flight; a write a full disk refuses is
+kept and written once there is room (line_appender.py). A resume into the run's own folder rewrites the files
+whole, through a temporary file, so a crash leaves the old or the new version. W&B failing (a full disk, its
+service gone) is logged once and costs the run nothing: metrics.jsonl stays the complete record. Secrets are
+masked on the way into every file, log line and W&B (redaction.py).
 """
 
 from __future__ import annotations
@@ -10,44 +13,31 @@ import json
 import logging
 import math
 import os
-import re
+import shutil
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 from miles.config import LoggingConfig
 from miles.errors import MilesUserError
+from miles.line_appender import LineAppender
+from miles.redaction import (  # noqa: F401  (re-exported: the masking's home was this module)
+    MASK,
+    RedactingFilter,
+    is_secret_name,
+    looks_like_credential,
+    redact,
+    redact_args,
+    redact_logs,
+    redact_text,
+    redact_yaml,
+)
 from miles.sample import Sample
 
 log = logging.getLogger("miles.tracking")
-_SECRET_ENDINGS = (
-    "apikey",
-    "token",
-    "secret",
-    "password",
-    "passwd",
-    "credential",
-    "credentials",
-    "authorization",
-    "auth",
-    "cookie",
-    "privatekey",
-    "accesskey",
-    "secretkey",
-)
-"""Config keys whose values are masked: names ending so, compared in lower case without `_`, `-` or
-spaces (`wandb_api_key`, `hf_token`, `X-Api-Key`, `Authorization`, `clientSecret`), not names that merely
-contain the word (`max_new_tokens`, `prompt_key`)."""
-_SECRET_QUERY_NAMES = ("key", "sig", "signature", "pwd")
-"""URL query parameters masked besides those `_SECRET_ENDINGS` names (`?key=` is many APIs' key)."""
-MASK = "***"
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
-_QUERY_PARAM = re.compile(r"([?&;])([^=&#\s;]+)=([^&#\s;]*)")
-_BEARER = re.compile(r"(?i)\b(bearer)\s+[a-z0-9._~+/=-]{8,}")
-_MIN_ENV_SECRET = 8
-"""Values of secret-named environment variables (`WANDB_API_KEY`) at least this long are masked wherever
-they appear; shorter ones would mask ordinary text."""
+LOW_DISK_BYTES = 256 << 20
+"""Below this much free space on the run folder's disk a warning says what may be lost: W&B's offline writer
+fails silently on a full disk, checkpoints fail to save."""
 
 
 def _clean(value: Any) -> Any:
@@ -103,9 +93,11 @@ class Tracker:
         self.run_dir, self.cfg, self.total_steps, self.tokenizer = run_dir, cfg, total_steps, tokenizer
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self.samples_file = open(run_dir / "samples.jsonl", "a", buffering=1)
+        self.metrics = LineAppender(run_dir / "metrics.jsonl")
+        self.samples = LineAppender(run_dir / "samples.jsonl")
         self.history: list[dict[str, Any]] = []
+        self._wandb_failures = 0
+        self._low_disk_warned = False
         redact_logs()
         config_dict = redact(config_dict)
         self.wandb_run = self._init_wandb(config_dict, recipe, wandb_run_id) if cfg.wandb else None
@@ -169,13 +161,14 @@ class Tracker:
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics.write(json.dumps(record) + "\n")
         self.history.append(record)
+        self._check_disk_space()
         if self.wandb_run is not None:
             try:
                 self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=step)
             except Exception as e:
-                log.warning("W&B log failed: %s", e)
+                self._wandb_failed(step, e)
         if self.progress is not None:
             reward = record.get("reward/mean")
             status = f"reward {reward:.3f}" if isinstance(reward, float) else ""
@@ -186,6 +179,37 @@ class Tracker:
             self.progress.update(self._task, completed=step, status=status)
         if self.cfg.plot_every and (step % self.cfg.plot_every == 0 or step == self.total_steps):
             self.plot()
+
+    def _wandb_failed(self, step: int, error: Exception, what: str = "log") -> None:
+        """The first failure is a warning; the rest are counted and summed up at close (one line a step would
+        bury the log of a run whose disk is full)."""
+        self._wandb_failures += 1
+        if self._wandb_failures == 1:
+            log.warning(
+                "W&B could not %s at step %d (%s); later W&B failures are counted, not logged. metrics.jsonl "
+                "keeps every step's metrics",
+                what,
+                step,
+                error,
+            )
+
+    def _check_disk_space(self) -> None:
+        """Warns once when the run folder's disk is nearly full: W&B's offline history (written by its own
+        process, which reports nothing) and checkpoints are the first to be lost."""
+        if self._low_disk_warned:
+            return
+        try:
+            free = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            return
+        if free < LOW_DISK_BYTES:
+            self._low_disk_warned = True
+            log.warning(
+                "only %d MB free on the disk of %s: W&B's offline history (which fails silently), checkpoints and "
+                "samples may not be written; metrics.jsonl keeps the metrics (and catches up once there is room)",
+                free >> 20,
+                self.run_dir,
+            )
 
     def carry_over(self, source_dir: Path, step: int) -> None:
         """A resumed run's earlier steps: the records of `source_dir` (the interrupted run's folder) up to
@@ -198,15 +222,15 @@ class Tracker:
         self.history.extend(records)
         if source_dir.resolve() != self.run_dir.resolve():
             for record in records:
-                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics.write(json.dumps(record) + "\n")
             return
-        self.metrics_file.close()
+        self.metrics.close()
         _replace_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self.samples_file.close()
+        self.metrics = LineAppender(self.run_dir / "metrics.jsonl")
+        self.samples.close()
         samples = self.run_dir / "samples.jsonl"
         _replace_text(samples, "".join(_rows_up_to(samples, step)))
-        self.samples_file = open(samples, "a", buffering=1)
+        self.samples = LineAppender(samples)
 
     def log_samples(self, step: int, samples: list[Sample]) -> None:
         for sample in samples[: self.cfg.samples_per_step]:
@@ -220,10 +244,11 @@ class Tracker:
                 "response_length": sample.response_length,
             }
             if sample.reward_info:  # a reward's extra keys and errors (which may quote a URL with its key)
-                row["reward_info"] = redact(sample.reward_info)
+                row["reward_info"] = sample.reward_info
             if self.tokenizer is not None and sample.prompt_ids:
                 row["prompt_text"] = self.tokenizer.decode(sample.prompt_ids)  # exactly what the model saw
-            self.samples_file.write(json.dumps(row, default=str) + "\n")
+            # Masked whole: a prompt, response or label may quote a secret as well as a reward's error may.
+            self.samples.write(json.dumps(redact(row), default=str) + "\n")
 
     def plot(self) -> None:
         try:
@@ -255,14 +280,24 @@ class Tracker:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        self.plot()
-        self.metrics_file.close()
-        self.samples_file.close()
+        try:
+            self.plot()
+        except OSError as e:  # a full disk: the plot is the least of the run's records
+            log.warning("could not write the reward plot: %s", e)
+        self.metrics.close()
+        self.samples.close()
         if self.wandb_run is not None:
             try:
                 self.wandb_run.finish()
             except Exception as e:
-                log.warning("W&B finish failed: %s", e)
+                self._wandb_failed(len(self.history), e, "finish the run")
+        if self._wandb_failures > 1:
+            log.warning(
+                "W&B failed %d times in this run (%d steps logged); its history may lack those steps, "
+                "metrics.jsonl has them all",
+                self._wandb_failures,
+                len(self.history),
+            )
 
 
 def _rows_up_to(path: Path, step: int) -> list[str]:
@@ -287,100 +322,3 @@ def _replace_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether a config key, header or environment variable name names a secret (see `_SECRET_ENDINGS`)."""
-    compact = re.sub(r"[\s_-]", "", str(name)).lower()
-    return compact.endswith(_SECRET_ENDINGS)
-
-
-def redact_text(text: str) -> str:
-    """`text` with what looks like a secret masked: the credentials of a URL (`https://user:pass@host`), the
-    values of secret-named query parameters (`?key=`, `&access_token=`), bearer tokens, and the values of
-    secret-named environment variables (`WANDB_API_KEY`, `HF_TOKEN`)."""
-    if not text:
-        return text
-    for name, value in os.environ.items():
-        if len(value) >= _MIN_ENV_SECRET and is_secret_name(name) and value in text:
-            text = text.replace(value, MASK)
-    text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
-
-    def query(m: re.Match[str]) -> str:
-        name = m.group(2)
-        secret = is_secret_name(name) or name.lower().replace("-", "_") in _SECRET_QUERY_NAMES
-        return f"{m.group(1)}{name}={MASK}" if secret and m.group(3) else m.group(0)
-
-    text = _QUERY_PARAM.sub(query, text) if "=" in text else text
-    return _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", text)
-
-
-def redact(config: Any) -> Any:
-    """Config copy with secret-looking values masked, for logs, W&B and the run's files: the values of
-    secret-named keys (`redact_text`'s `is_secret_name`) at any depth, in dicts and lists, and secrets inside
-    any other string (`redact_text`)."""
-    if isinstance(config, dict):
-        return {k: _mask_all(v) if is_secret_name(k) else redact(v) for k, v in config.items()}
-    if isinstance(config, list | tuple):
-        return type(config)(redact(v) for v in config)
-    if isinstance(config, str):
-        return redact_text(config)
-    return config
-
-
-def _mask_all(value: Any) -> Any:
-    """Every leaf of a secret-named key's dict or list (`auth: {user: u, password: p}`) masked."""
-    if isinstance(value, dict):
-        return {k: _mask_all(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_mask_all(v) for v in value)
-    return MASK if value else value
-
-
-def redact_args(args: list[str]) -> list[str]:
-    """Command-line arguments with secrets masked: the value of a `key=value` override whose key, or a key
-    inside whose dict value (`headers={Authorization: ...}`), names a secret, and `redact_text`'s finds."""
-    out = []
-    for arg in args:
-        key, eq, value = arg.partition("=")
-        inner = re.findall(r"([A-Za-z0-9_.-]+)\s*:", value) if eq else []
-        if eq and (is_secret_name(key.rsplit(".", 1)[-1]) or any(is_secret_name(k) for k in inner)):
-            arg = f"{key}={MASK}"
-        out.append(redact_text(arg))
-    return out
-
-
-def redact_yaml(text: str) -> str:
-    """A resolved config's YAML with its secrets masked (`redact`), for the run folder's config.yaml."""
-    from omegaconf import OmegaConf
-
-    container = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
-    return OmegaConf.to_yaml(OmegaConf.create(redact(container)))
-
-
-class RedactingFilter(logging.Filter):
-    """Masks secrets (`redact_text`) in every record a handler writes, its traceback included: an error
-    message that quotes a URL with credentials (a remote reward's) stays out of the console and run.log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record: the handler reports it as it would have
-            return True
-        clean = redact_text(message)
-        if clean != message:
-            record.msg, record.args = clean, None
-        if record.exc_info and not record.exc_text:
-            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
-            clean = redact_text(text)
-            if clean != text:
-                record.exc_text = clean
-        return True
-
-
-def redact_logs() -> None:
-    """Add `RedactingFilter` to the root logger's handlers (and logging's last-resort one), once each."""
-    handlers = [*logging.getLogger().handlers, logging.lastResort]
-    for handler in handlers:
-        if handler is not None and not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(RedactingFilter())

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -111,10 +112,23 @@ def nvml_reader(device: torch.device) -> Callable[[], float] | None:
     return lambda: torch.cuda.utilization(index)
 
 
-def busy_meter(device: torch.device | str) -> tuple[str, BusySampler | CpuBusy] | None:
-    """(metric name, meter) for the loop's device; None on a GPU whose utilization cannot be read."""
+@dataclass
+class BusyMeter:
+    metric: str
+    """`util/cpu_busy_frac` or `util/gpu_busy_frac`."""
+    sampler: BusySampler | CpuBusy
+
+    def start(self) -> None:
+        self.sampler.start()
+
+    def stop(self) -> float | None:
+        return self.sampler.stop()
+
+
+def busy_meter(device: torch.device | str) -> BusyMeter | None:
+    """The busy meter of the loop's device; None on a GPU whose utilization cannot be read."""
     device = torch.device(device)
     if device.type == "cpu":
-        return "util/cpu_busy_frac", CpuBusy()
+        return BusyMeter("util/cpu_busy_frac", CpuBusy())
     read = nvml_reader(device)
-    return ("util/gpu_busy_frac", BusySampler(read)) if read is not None else None
+    return BusyMeter("util/gpu_busy_frac", BusySampler(read)) if read is not None else None

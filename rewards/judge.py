@@ -119,7 +119,7 @@ class JudgeReward:
         try:
             from miles.rollout import SamplingParams
         except ImportError:  # the package may not re-export it yet
-            from miles.rollout.params import SamplingParams
+            from miles.rollout.sampling.params import SamplingParams
 
         params = SamplingParams(n=1, temperature=self.temperature, max_new_tokens=self.max_new_tokens)
         replies = self.engine.generate([self._judge_prompt(s) for s in samples], params)

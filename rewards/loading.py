@@ -51,6 +51,10 @@ class RewardFunction:
     batched: bool = False
     is_async: bool = False
     in_process: bool = False
+    """A built-in that must run in the trainer (the judge drives an engine living there)."""
+    user_code: bool = False
+    """Not a built-in (a file or a module of the user's): it runs in worker processes unless the config says
+    reward.in_process=true (runner.py)."""
     style: str = "sample"
     """sample | verl | verl_batch."""
     passes_extra_info: bool = True
@@ -147,6 +151,7 @@ def describe(
         batched=style == "verl_batch" or (style == "sample" and (batched or builtin == "judge")),
         is_async=_is_async(target),
         in_process=builtin in IN_PROCESS_BUILTINS,
+        user_code=builtin is None,
         style=style,
         passes_extra_info=extra_name in param_names
         or any(p.kind == p.VAR_KEYWORD for p in _call_parameters(target)),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from miles.rewards.loading import RewardFunction
 from miles.rewards.outcome import RewardOutcome, failure
+from miles.rewards.reaping import descendants, kill_all
 from miles.sample import Sample
 
 log = logging.getLogger("miles.rewards")
@@ -34,6 +35,9 @@ log = logging.getLogger("miles.rewards")
 WORKER_MODULE = "miles.rewards.worker"
 POLL_INTERVAL_S = 0.1
 """How often a waiting dispatcher checks for shutdown."""
+ASYNC_GRACE_S = 5.0
+"""An async reward's samples run concurrently in the worker, each under reward.timeout_s there; the pool waits
+this much longer for the chunk before it kills the worker (sync work blocking the worker's event loop)."""
 BIND_TIMEOUT_S = 300.0
 """How long a worker may take to build a reward (import it, run a class reward's constructor: load a model) before
 it is killed; separate from reward.timeout_s, which times each sample once the reward exists."""
@@ -253,13 +257,14 @@ class _Slot:
         reward) gets its own timeout; a sample that hangs or kills the worker costs only itself: the worker is
         replaced and the rest of the job continues on the new one."""
         count = len(job.samples)
-        step = count if job.fn.batched else 1
+        step = count if job.fn.batched or job.fn.is_async else 1  # one reply for the chunk (worker.py)
+        limit_s = job.timeout_s + (ASYNC_GRACE_S if job.fn.is_async else 0.0)
         results: list[RewardOutcome | None] = [None] * count
         done = 0
         while done < count:
             call_id, base = self.pool.next_call_id(), done
             try:
-                problem = self._send(job.fn, (call_id, job.fn, job.samples[base:]))
+                problem = self._send(job.fn, (call_id, job.fn, job.samples[base:], job.timeout_s))
             except (
                 pickle.PicklingError,
                 TypeError,
@@ -271,7 +276,7 @@ class _Slot:
             if problem is not None:  # the reward could not be built: every sample left gets why
                 results[done:] = [problem] * (count - done)
                 break
-            deadline = time.monotonic() + job.timeout_s
+            deadline = time.monotonic() + limit_s
             while done < count:
                 state = self._wait_for_reply(deadline)
                 if state == "closing":
@@ -307,7 +312,7 @@ class _Slot:
                     ]
                 results[done : done + len(outcomes)] = outcomes
                 done += len(outcomes)
-                deadline = time.monotonic() + job.timeout_s
+                deadline = time.monotonic() + limit_s
                 if recycle:
                     self.kill()
                     self.pool.count_restart()
@@ -323,8 +328,10 @@ class _Slot:
 
 
 def _kill_group(process: mp.process.BaseProcess) -> None:
-    """SIGKILLs a worker and every process in its group (it called setsid: the group id is its pid). A process a
-    reward started in a session of its own escapes this; the group is the common case (subprocess.run)."""
+    """SIGKILLs a worker, every process in its group (it called setsid: the group id is its pid) and every
+    process below it in the tree, found first: one a reward started in a session of its own (a daemon, which
+    the worker, a subreaper, keeps below itself) is no member of the group."""
+    below = descendants(process.pid) if process.pid is not None and process.is_alive() else []
     if process.pid is not None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -332,3 +339,4 @@ def _kill_group(process: mp.process.BaseProcess) -> None:
             pass
     if process.is_alive():
         process.kill()
+    kill_all(below)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +23,26 @@ from typing import Any
 from miles.sample import Sample
 
 RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+class _RequestLinesAtDebug(logging.Filter):
+    """httpx logs every request at INFO ("HTTP Request: POST URL ..."): one line per sample floods the console
+    and run.log. They become DEBUG lines, shown only where the `httpx` logger is set to DEBUG; failures still
+    reach the log through the reward runner (once per kind) and reward/errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not str(record.msg).startswith("HTTP Request:"):
+            return True
+        if logging.getLogger("httpx").getEffectiveLevel() > logging.DEBUG:
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def _quiet_request_lines() -> None:
+    logger = logging.getLogger("httpx")
+    if not any(isinstance(f, _RequestLinesAtDebug) for f in logger.filters):
+        logger.addFilter(_RequestLinesAtDebug())
 
 
 class RemoteRewardError(RuntimeError):
@@ -86,6 +107,8 @@ class RemoteReward:
         self.headers = {"content-type": "application/json", **(headers or {})}
         self.extra_payload = dict(extra_payload or {})
         self.use_httpx = client == "httpx" or (client == "auto" and _has_httpx())
+        if self.use_httpx:
+            _quiet_request_lines()
         self._client: Any = None
         self._gate: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

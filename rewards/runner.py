@@ -1,10 +1,13 @@
 """`RewardRunner`: scores a rollout batch with the configured rewards; nothing a reward does can crash the run.
 
-Where a reward runs: sync rewards in the worker pool (reward.num_workers processes: hard kill on timeout, memory
-cap, graders on a main thread); async rewards on an event-loop thread in this process; the `judge` built-in in this
-process (it drives an engine object); everything in this process when num_workers=0. A call that raises, hangs past
-reward.timeout_s, returns NaN / a bad value, or blows its memory cap scores 0 for its samples, is counted in
-reward/errors (and reward/timeouts), and the first traceback of each kind is logged once (logger `miles.rewards`).
+Where a reward runs: user code (a file or module, sync or async) in the worker pool whatever reward.num_workers
+says (0 then means USER_CODE_WORKERS workers for it), unless reward.in_process=true chooses the trainer's process;
+sync built-ins in the pool with reward.num_workers > 0, else in this process; async built-ins (`remote`) on an
+event-loop thread in this process; the `judge` built-in in this process (it drives an engine object). The pool gives
+a hard kill on timeout, a memory cap, graders on a main thread, and no process a reward started outlives its call
+(pool.py, worker.py). A call that raises, hangs past reward.timeout_s, returns NaN / a bad value, exits, crashes or
+blows its memory cap scores 0 for its samples, is counted in reward/errors (and reward/timeouts), and the first
+traceback of each kind is logged once (logger `miles.rewards`).
 
 Combining: reward.weights {fn: weight} sums weighted components (a failed component contributes 0); the
 kwargs of one component may be namespaced as reward.kwargs.<name>.<key>. reward.by_data_source {data_source: fn}
@@ -25,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from miles.config import RewardConfig
-from miles.rewards.inprocess import InProcessExecutor
+from miles.rewards.in_trainer import InProcessExecutor
 from miles.rewards.loading import BUILTINS, RewardConfigError, RewardFunction, check_shared_kwargs, describe
 from miles.rewards.outcome import RewardOutcome, failure
 from miles.rewards.pool import WorkerPool
@@ -37,6 +40,9 @@ LOCAL_TIMEOUTS_IN_A_ROW = 3
 """In-process sync calls (num_workers=0, the judge) run one after another and a timed-out thread cannot be
 killed: after this many timeouts in a row of one reward in one batch, its other samples there fail at once
 instead of costing `timeout_s` each (a reward stuck on every sample would cost N x timeout_s a step)."""
+USER_CODE_WORKERS = 2
+"""Workers started for user reward code when reward.num_workers=0 (the recipes' math config, sized for the
+built-ins, which then stay in the trainer's process)."""
 CHUNKS_PER_WORKER = 4
 """Per-sample rewards go to the pool in this many chunks per worker: few round trips, still balanced."""
 
@@ -140,13 +146,16 @@ class RewardRunner:
         self._routes = {str(ds): [_Component(self.functions[s], 1.0)] for ds, s in routes.items()}
         self._multi = len(specs) > 1
 
-        pool_functions = [f for f in self.functions.values() if not f.is_async and not f.in_process]
+        self._user_in_process = bool(getattr(cfg, "in_process", False))
+        self._configured_workers = num_workers
+        self._num_workers = num_workers if num_workers > 0 else USER_CODE_WORKERS
+        pool_functions = [f for f in self.functions.values() if self._wants_pool(f, num_workers)]
         self._pool = (
-            WorkerPool(num_workers, int(cfg.worker_memory_mb), prebind=pool_functions)
-            if num_workers > 0 and pool_functions
+            WorkerPool(self._num_workers, int(cfg.worker_memory_mb), prebind=pool_functions)
+            if pool_functions
             else None
         )
-        self._num_workers = num_workers
+        self._explain_placement(num_workers)
         self._local = InProcessExecutor()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._local)
         for fn in self.functions.values():
@@ -167,10 +176,39 @@ class RewardRunner:
         self._early: dict[tuple[int, str], tuple[Sample, Future[list[RewardOutcome]], int]] = {}
         """(id(sample), reward name) -> (the sample, its pool call, its place in the call): `score_early`'s."""
 
+    def _wants_pool(self, fn: RewardFunction, num_workers: int) -> bool:
+        """User code runs in workers unless reward.in_process=true; sync built-ins when num_workers > 0; the
+        judge (it drives an engine here) and async built-ins (`remote`, I/O on this process's loop) never."""
+        if fn.in_process:
+            return False
+        if fn.user_code:
+            return not self._user_in_process
+        return not fn.is_async and num_workers > 0
+
     def _placement(self, fn: RewardFunction) -> str:
-        if fn.is_async:
-            return "async"
-        return "local" if fn.in_process or self._pool is None else "pool"
+        if self._pool is not None and self._wants_pool(fn, self._configured_workers):
+            return "pool"
+        return "async" if fn.is_async else "local"
+
+    def _explain_placement(self, num_workers: int) -> None:
+        """Says where user code runs when the config could suggest otherwise (one line at start)."""
+        user = [fn.name for fn in self.functions.values() if fn.user_code and not fn.in_process]
+        if not user:
+            return
+        if self._user_in_process:
+            log.warning(
+                "reward.in_process=true: user reward(s) %s run in the trainer's process, with no memory cap and "
+                "no hard kill: a crash, os._exit or fork there is the run's",
+                user,
+            )
+        elif num_workers == 0:
+            log.info(
+                "user reward(s) %s run in %d worker processes (reward.timeout_s, reward.worker_memory_mb); "
+                "reward.num_workers=0 keeps only the built-ins in the trainer (reward.in_process=true would run "
+                "user code there too)",
+                user,
+                self._num_workers,
+            )
 
     def score_early(self, samples: list[Sample]) -> None:
         """Start the worker-pool rewards of samples that finished generating while the rest of the batch still
@@ -229,7 +267,9 @@ class RewardRunner:
             if fn.batched:
                 calls.append((fn, indices))
             elif self._placement(fn) == "pool":  # chunks stream through the workers, timed per sample
-                size = -(-len(indices) // (CHUNKS_PER_WORKER * self._num_workers))
+                # An async reward's chunk runs concurrently in its worker: one chunk a worker, as wide as can be.
+                per_worker = 1 if fn.is_async else CHUNKS_PER_WORKER
+                size = -(-len(indices) // (per_worker * self._num_workers))
                 calls += [(fn, indices[i : i + size]) for i in range(0, len(indices), size)]
             else:
                 calls += [(fn, [i]) for i in indices]
@@ -251,7 +291,8 @@ class RewardRunner:
             if timeouts_in_a_row[fn.name] >= LOCAL_TIMEOUTS_IN_A_ROW:
                 message = (
                     f"not run: {fn.name} timed out on {LOCAL_TIMEOUTS_IN_A_ROW} samples in a row in this batch "
-                    f"(reward.timeout_s={self.timeout_s:g}); with reward.num_workers > 0 a stuck call is killed"
+                    f"(reward.timeout_s={self.timeout_s:g}); in worker processes (reward.num_workers > 0, and "
+                    "reward.in_process=false for user code) a stuck call is killed"
                 )
                 record(fn, indices, [failure("timeout", message)] * len(indices))
                 continue

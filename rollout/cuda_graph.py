@@ -4,7 +4,7 @@ Each bucket owns a flashinfer decode wrapper bound to static index buffers and a
 input buffers (token ids, positions, KV slots). A decode step of B requests pads to the smallest bucket
 >= B (padding rows read and write the reserved page 0), re-plans the wrapper with the real page table and
 replays; the fused MoE kernels route the padding rows to no expert. Graphs point into the KV pool: a
-release that keeps the pool's addresses (virtual_memory.py) keeps them, any other drops them, and they are
+release that keeps the pool's addresses (kv/virtual_memory.py) keeps them, any other drops them, and they are
 captured again on first use.
 
 Buckets of at least `piecewise_min_batch` rows are captured in pieces instead: one graph from the embedding
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from miles.models.attention import KVWrite
-from miles.rollout.attention_flashinfer import FlashinferAttention, paged_kv_metadata
+from miles.rollout.attention.flashinfer_backend import FlashinferAttention, paged_kv_metadata
 from miles.rollout.forward_batch import ForwardBatch
-from miles.rollout.kv_pool import KVPool
-from miles.rollout.sampler_graph import SamplerGraphs, plain_draw
-from miles.rollout.sampling import SamplingTensors
+from miles.rollout.kv.pool import KVPool
+from miles.rollout.sampling.graph import SamplerGraphs, plain_draw
+from miles.rollout.sampling.sampler import SamplingTensors
 
 if TYPE_CHECKING:
     from miles.rollout.model_runner import ModelRunner
@@ -78,7 +78,7 @@ class _Graph:
     logits: torch.Tensor
     routing: torch.Tensor | None
     hidden: torch.Tensor
-    """The final-norm hidden states the logits come from (a draft head reads them: draft_head.py)."""
+    """The final-norm hidden states the logits come from (a draft head reads them: spec/head.py)."""
 
 
 @dataclass
@@ -147,7 +147,7 @@ class CudaGraphRunner:
     def __init__(
         self, runner: ModelRunner, max_batch: int, piecewise_min_batch: int = 0, verify_len: int = 0
     ) -> None:
-        # Graph padding rows may write NaN to page 0, which only the flashinfer kernels never read (kv_pool.py).
+        # Graph padding rows may write NaN to page 0, which only the flashinfer kernels never read (kv/pool.py).
         assert runner.backend == "flashinfer", "CUDA-graph decode runs on the flashinfer backend only"
         # The runner owns this object: a reference back would make a cycle that only the cycle collector
         # frees, KV pool included, at a moment of its choosing (possibly during another engine's capture).
@@ -198,7 +198,7 @@ class CudaGraphRunner:
 
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The sampler graph's draw where `logits` are the last replay's and every row takes the plain draw
-        (sampler_graph.py); None otherwise (the caller samples eagerly)."""
+        (sampling/graph.py); None otherwise (the caller samples eagerly)."""
         full = self.last_logits
         if full is None or logits.data_ptr() != full.data_ptr() or not plain_draw(st, logits.device):
             return None

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from miles.models import fused
 from miles.models.model import CausalLM
 from miles.models.moe import Experts, RoutingTrace
-from miles.rollout import cpu_attention
-from miles.rollout.attention_torch import RowwiseAttention, TorchPagedAttention
-from miles.rollout.decode_staging import DecodeStaging
+from miles.rollout.attention import cpu_kernel
+from miles.rollout.attention.decode_staging import DecodeStaging
+from miles.rollout.attention.torch_backend import RowwiseAttention, TorchPagedAttention
 from miles.rollout.forward_batch import ForwardBatch
-from miles.rollout.kv_pool import KVPool, RequestTable
+from miles.rollout.kv.pool import KVPool, RequestTable
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,13 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_di
     raise ValueError(f"rollout.backend must be auto, torch or flashinfer, got {name!r}")
 
 
+def use_fused_kernels(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """`rollout.fused_kernels` (auto | on | off) for a model on `device` in `dtype`."""
+    if setting == "auto":  # compiling pays off for large low-precision models on a GPU
+        return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return setting == "on"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -89,18 +96,18 @@ class ModelRunner:
         self.fused_kernels = fused_kernels
         self.flashinfer = None
         if backend == "flashinfer":
-            from miles.rollout.attention_flashinfer import FlashinferBackend
+            from miles.rollout.attention.flashinfer_backend import FlashinferBackend
 
             self.flashinfer = FlashinferBackend(
                 model.args, pool, table, model.dtype, flashinfer_kernel, flashinfer_decode
             )
-        # CPU decode steps carry their gathered keys and values over to the next step (decode_staging.py).
+        # CPU decode steps carry their gathered keys and values over to the next step (attention/decode_staging.py).
         cpu_torch = backend == "torch" and pool.device.type == "cpu" and not deterministic
         self.staging = DecodeStaging(pool) if cpu_torch else None
         args, lay = model.args, pool.layout
         q_per_kv = args.num_attention_heads // args.num_key_value_heads
-        # Whether the C decode kernel has code for these decodes (cpu_attention.py).
-        self.cpu_kernel = cpu_torch and cpu_attention.applies(lay.dtype, pool.device, q_per_kv, lay.head_dim)
+        # Whether the C decode kernel has code for these decodes (cpu_kernel.py).
+        self.cpu_kernel = cpu_torch and cpu_kernel.applies(lay.dtype, pool.device, q_per_kv, lay.head_dim)
         self.graphs = None
         self.last_hidden: torch.Tensor | None = None
         """[S, hidden] final-norm hidden states of the last forward's sampling rows (what a draft head reads;

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.rollout.params import SamplingParams
-from miles.rollout.radix_cache import TreeNode
+from miles.rollout.kv.radix_cache import TreeNode
+from miles.rollout.sampling.params import SamplingParams
 from miles.sample import Sample, SampleStatus
 
 
@@ -29,7 +29,7 @@ class Request:
     """Response text cut before a matched stop string."""
     alternatives: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     """`params.top_logprobs` > 0: output position -> its most likely tokens and their logprobs."""
-    # KV bookkeeping (see kv_manager.py)
+    # KV bookkeeping (see kv/manager.py)
     row: int = -1
     """Row of the request table while the request holds KV, else -1."""
     kv_len: int = 0
@@ -48,7 +48,7 @@ class Request:
     draft_proposed: int = 0
     """Of `draft`, the leading tokens the n-grams proposed; the rest are filler (verify graphs, GPU)."""
     ngram: Any = None
-    """Its n-gram index over prompt + output (rollout/ngram.py), built on first use."""
+    """Its n-gram index over prompt + output (spec/ngram.py), built on first use."""
     spec_steps: int = 0
     spec_draft_tokens: int = 0
     spec_proposed_tokens: int = 0
@@ -97,3 +97,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status != SampleStatus.PENDING
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        """The output without the placeholders of tokens still on the device (overlap scheduling)."""
+        end = len(self.output_ids)
+        while end and self.output_ids[end - 1] < 0:
+            end -= 1
+        return self.output_ids[:end]
+
+    def restart(self) -> None:
+        """Drop the output (a retracted request regenerated on new weights): it starts again from its prompt."""
+        self.output_ids, self.logprobs, self.stop_text, self.ngram = [], [], None, None
+        self.alternatives = {}
+        self.spec_steps = self.spec_draft_tokens = self.spec_proposed_tokens = self.spec_accepted_tokens = 0

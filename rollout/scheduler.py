@@ -18,7 +18,7 @@ import functools
 from collections import deque
 from dataclasses import dataclass, field
 
-from miles.rollout.kv_manager import KVManager
+from miles.rollout.kv.manager import KVManager
 from miles.rollout.request import Request
 
 _CLIP_NEW_TOKENS = 4096
@@ -123,6 +123,11 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def stalled(self) -> list[Request]:
+        """Requests whose output already reached `max_new_tokens`, lowered in place on their params while
+        they ran, with no token of theirs in flight: nothing is scheduled for them."""
+        return [r for r in [*self.running, *self.waiting] if not r.can_grow and r.pending_index < 0]
 
     # the plan ------------------------------------------------------------------------------------
     def schedule(self, in_flight: bool = False) -> StepPlan:

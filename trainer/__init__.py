@@ -1,4 +1,5 @@
-"""Trainer: advantage estimators and policy losses (the algorithm registry) and the `torch` backend."""
+"""Trainer: advantage estimators and policy losses (the algorithm registry), group filter and overlong
+punishment, and `PolicyTrainer`, which updates the policy of the `torch` or `megatron` backend."""
 
 from miles.trainer.algorithms import (
     compute_advantages,

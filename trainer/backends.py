@@ -26,6 +26,13 @@ def check_backend(backend: str) -> None:
         raise MilesUserError(f"unknown trainer.backend={backend!r}; use one of {', '.join(BACKENDS)}")
 
 
+def check_tensor_parallel(backend: str, tensor_parallel: int) -> None:
+    if tensor_parallel < 1 or (tensor_parallel > 1 and backend != "megatron"):
+        raise MilesUserError(
+            f"trainer.tensor_parallel_size={tensor_parallel} needs trainer.backend=megatron (and a size >= 1)"
+        )
+
+
 def build_policy(
     backend: str,
     model: CausalLM,
@@ -35,10 +42,7 @@ def build_policy(
 ) -> nn.Module:
     """The module the trainer updates, starting from `model`'s weights."""
     check_backend(backend)
-    if tensor_parallel < 1 or (tensor_parallel > 1 and backend != "megatron"):
-        raise MilesUserError(
-            f"trainer.tensor_parallel_size={tensor_parallel} needs trainer.backend=megatron (and a size >= 1)"
-        )
+    check_tensor_parallel(backend, tensor_parallel)
     if backend == "torch":
         return model
     if precision == "bf16" and model.device.type != "cuda":

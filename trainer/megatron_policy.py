@@ -126,7 +126,7 @@ def check_megatron_supports(args: ModelArgs, tensor_parallel: int = 1) -> None:
 def ensure_process_groups(device: torch.device, tensor_parallel: int = 1) -> None:
     """megatron-core needs torch.distributed and its model-parallel groups, even in one process.
 
-    A run of several processes (miles/distributed.py) has its process group already; one process gets a
+    A run of several processes (miles/distributed/) has its process group already; one process gets a
     world of one over a file store (no port to pick). Megatron's groups: `tensor_parallel` consecutive ranks
     share one model replica; pipeline and expert sizes are 1.
     """

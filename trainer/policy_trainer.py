@@ -1,4 +1,5 @@
-"""`PolicyTrainer`: the `torch` backend — our `CausalLM`, AdamW, packed micro-batches, gradient accumulation.
+"""`PolicyTrainer`: one RL or SFT update of the policy module a backend built (our `CausalLM` for `torch`, a
+megatron-core GPTModel for `megatron`): AdamW, packed micro-batches, gradient accumulation.
 
 One `train_step(samples)` is one RL update on a scored rollout batch:
   1. recompute the logprobs of the rollout tokens under the current weights (no grad): the PPO "old"
@@ -9,7 +10,7 @@ One `train_step(samples)` is one RL update on a scored rollout batch:
   3. `epochs_per_rollout` passes, each split into optimizer steps of `global_batch_size` samples, each step
      accumulated over packed micro-batches of at most `micro_batch_tokens` tokens.
 
-With data parallelism (`dp`, miles/distributed.py) each rank holds a replica and trains on its own share of
+With data parallelism (`dp`, miles/distributed/) each rank holds a replica and trains on its own share of
 the batch: the batch is ordered by (group, index) across ranks so each optimizer step holds one process's
 samples, the loss denominators are the whole batch's, the gradients are summed across ranks before each
 optimizer step, and the metrics are the whole batch's, so the replicas apply the one update a single process

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miles.trainer.logprobs import logit_gradient
+from miles.trainer.logit_gradient import logit_gradient
 
 
 def vocab_parallel_logprobs(

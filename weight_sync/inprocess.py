@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.weight_sync.checksum import tensor_fingerprint
+from miles.weight_sync.places import Place, check_places, engine_places
 
 
 @dataclass
@@ -86,33 +87,9 @@ class InProcessWeightSync:
             return export()
         return [(n, p.detach()) for n, p in self.trainer_model.named_parameters()]
 
-    def _engine_places(self) -> Callable[[str], tuple[str, torch.Tensor] | None]:
-        """Where the engine keeps a streamed tensor: (its parameter's name, the view of it the tensor was
-        copied into), or None for a tensor the engine does not keep (`rotary_emb.inv_freq`). Names may be the
-        engine model's own (`qkv_proj`) or Hugging Face's (`q_proj`, per-expert), as `update_weights`
-        takes them; a tied `lm_head.weight` is the embedding the engine shares it with."""
-        model = self.engine.model
-        params = dict(model.named_parameters(remove_duplicate=False))
-        owner = {id(p): n for n, p in model.named_parameters()}  # a tied parameter under its first name
-        args = getattr(model, "args", None)
-
-        def place(name: str) -> tuple[str, torch.Tensor] | None:
-            if args is None:
-                slot: tuple[str, tuple] | None = (name, ())
-            else:
-                from miles.models.checkpoint import model_slot
-
-                slot = model_slot(name, args)
-            if slot is None:
-                return None
-            target = params.get(slot[0])
-            try:
-                view = target.detach()[slot[1]]  # type: ignore[union-attr]
-            except (AttributeError, IndexError) as err:  # no such parameter, or expert, in the engine
-                raise KeyError(name) from err
-            return owner.get(id(target), slot[0]), view
-
-        return place
+    def _engine_places(self) -> Callable[[str], Place | None]:
+        """Where the engine keeps a streamed tensor (`places.engine_places`)."""
+        return engine_places(self.engine.model)
 
     def sync(self, version: int) -> SyncResult:
         start = time.perf_counter()
@@ -121,7 +98,7 @@ class InProcessWeightSync:
         own: dict[str, int] = {}
         moved = 0
         place = self._engine_places() if self.verify and not self.shares_weights else None
-        places: dict[str, tuple[str, torch.Tensor] | None] = {}
+        places: dict[str, Place | None] = {}
         """Each streamed name's place in the engine (None: one it does not keep), for the check after."""
         refused: set[str] = set()
         """Streamed names the engine has no place for (it refuses them, saying why)."""
@@ -165,19 +142,9 @@ class InProcessWeightSync:
     def _check_engine(
         self,
         expected: dict[str, int],
-        places: dict[str, tuple[str, torch.Tensor] | None],
+        places: dict[str, Place | None],
         refused: set[str],
     ) -> list[str]:
-        """The streamed names the engine refused or whose place in it does not hold them bit for bit, and the
-        engine's parameters no streamed tensor went into (the engine would run them stale)."""
-        mismatched = [name for name in expected if name in refused]
-        covered: set[str] = set()
-        for name, fingerprint in expected.items():
-            found = places.get(name)
-            if found is None:
-                continue
-            covered.add(found[0])
-            if tensor_fingerprint(found[1]) != fingerprint:
-                mismatched.append(name)
-        mismatched += [n for n, _ in self.engine.model.named_parameters() if n not in covered]
-        return sorted(mismatched)
+        """The streamed names the engine refused or does not hold bit for bit, and its parameters no streamed
+        tensor went into (`places.check_places`)."""
+        return check_places(self.engine.model, expected, places, refused)

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel on and off in one process (docs/benchmarks.md, twelfth session).
+"""The CPU decode-attention kernel on and off in one process (docs/journal/2026-12-cpu-decode.md).
 
     OMP_NUM_THREADS=1 python docs/scripts/cpu_kernel_ab.py [INPUT_LEN OUTPUT_LEN [tiny|cpu-small [PAIRS]]]
 
@@ -14,13 +14,13 @@ import time
 
 import torch
 
+from miles.bench.rollout import _BENCH_PRESETS
 from miles.config import RolloutConfig
 from miles.models.args import ModelArgs
 from miles.models.presets import build_random_model, preset_args
-from miles.rollout import cpu_attention
-from miles.rollout.bench import _BENCH_PRESETS
+from miles.rollout.attention import cpu_kernel as cpu_attention
 from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
+from miles.rollout.sampling.params import SamplingParams
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Host time per decode step of `qwen3-0.6b` on the GPU, by engine part (docs/benchmarks.md, twelfth session).
+"""Host time per decode step of `qwen3-0.6b` on the GPU, by engine part (docs/benchmarks.md, "Small models").
 
     python3 docs/scripts/gpu_host_split.py BATCH [graph|eager]
 
@@ -17,10 +17,13 @@ import torch
 
 from miles.config import RolloutConfig
 from miles.models.presets import build_random_model, preset_args
-from miles.rollout import attention_flashinfer, cuda_graph, kv_manager, sampler_graph, scheduler
+from miles.rollout import cuda_graph, scheduler
 from miles.rollout import model_runner as runner_module
+from miles.rollout.attention import flashinfer_backend as attention_flashinfer
 from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
+from miles.rollout.kv import manager as kv_manager
+from miles.rollout.sampling import graph as sampler_graph
+from miles.rollout.sampling.params import SamplingParams
 
 per_step: dict[str, int] = collections.defaultdict(int)
 captures: dict[str, int] = collections.defaultdict(int)

@@ -1,4 +1,4 @@
-"""Device time per decode step of `qwen3-0.6b` at batch 64, by kernel (docs/benchmarks.md, twelfth session).
+"""Device time per decode step of `qwen3-0.6b` at batch 64, by kernel (docs/benchmarks.md, "Small models").
 
     python3 docs/scripts/gpu_kernel_profile.py
 
@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from miles.config import RolloutConfig
 from miles.models.presets import build_random_model, preset_args
 from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
+from miles.rollout.sampling.params import SamplingParams
 
 STEPS = 20
 

@@ -1,4 +1,4 @@
-"""Where a GPU decode step's device idle time comes from (docs/benchmarks.md, thirteenth session).
+"""Where a GPU decode step's device idle time comes from (docs/benchmarks.md).
 
     python3 docs/scripts/gpu_step_timeline.py --model qwen3-8b --batch 256 [--trace DIR]
 
@@ -28,10 +28,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from miles.config import RolloutConfig
 from miles.models.presets import build_random_model, preset_args
-from miles.rollout import attention_flashinfer, cuda_graph, kv_manager, scheduler
+from miles.rollout import cuda_graph, scheduler
 from miles.rollout import model_runner as runner_module
+from miles.rollout.attention import flashinfer_backend as attention_flashinfer
 from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
+from miles.rollout.kv import manager as kv_manager
+from miles.rollout.sampling.params import SamplingParams
 
 PARTS = [
     (Engine, "step", "step"),

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from miles.models.args import ModelArgs
@@ -56,11 +56,31 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint file that cannot be read (truncated, missing, not JSON); the message names it and what to do."""
+
+
+_RECOPY = "copy it again from where the checkpoint came from (an interrupted download or copy leaves it so)"
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / name for name in names]
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # also a JSON error (a ValueError)
+            problem = (
+                f"not valid JSON ({e})" if isinstance(e, ValueError) else "without a 'weight_map' object"
+            )
+            raise CheckpointFileError(f"{index} is {problem}; {_RECOPY}") from e
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointFileError(
+                f"{path} lacks {missing[:5]} ({len(missing)} of the {len(files)} shards that "
+                f"model.safetensors.index.json lists are missing); {_RECOPY}"
+            )
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if any(path.glob("*.bin")) or any(path.glob("*.pt")):
@@ -73,10 +93,25 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of a checkpoint folder; a damaged file is a CheckpointFileError naming
+    the file (and the tensor), not the safetensors library's bare message."""
     for file in _safetensors_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as e:  # a header cut short, or not safetensors at all
+            raise CheckpointFileError(
+                f"{file} is not a complete safetensors file ({e}; {file.stat().st_size} bytes): it is probably "
+                f"truncated; {_RECOPY}"
+            ) from e
+        with handle as f:
+            for key in list(f.keys()):
+                try:
+                    tensor = f.get_tensor(key)
+                except (SafetensorError, OSError) as e:  # its data past the end of the file
+                    raise CheckpointFileError(
+                        f"{file}: tensor {key!r} cannot be read ({e}); the file is probably truncated; {_RECOPY}"
+                    ) from e
+                yield key, tensor
 
 
 def _row_sizes(block: str, args: ModelArgs) -> list[int]:
@@ -173,10 +208,13 @@ def internal_to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[
                 yield f"{prefix}.{expert}.down_proj.weight", tensor[expert]
 
 
-def load_state_into(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load a whole checkpoint (Hugging Face or model names); every row of every parameter must be given."""
+def load_state_into(
+    model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
+) -> None:
+    """Load a whole checkpoint (Hugging Face or model names); every row of every parameter must be given.
+    `source` (the folder) is named in the errors."""
     args = model.args
-    written = copy_named_tensors(model, tensors, "checkpoint")
+    written = copy_named_tensors(model, tensors, source)
     missing: list[str] = []
     for name, param in model.named_parameters():
         if (name, "()") in written:
@@ -187,7 +225,10 @@ def load_state_into(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
             if slot is not None and (slot[0], repr(slot[1])) not in written:
                 missing.append(key)
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        raise ValueError(
+            f"{source} is missing {len(missing)} tensors, e.g. {missing[:5]}; check that config.json (layers, "
+            "experts) matches the weights, or copy the missing shards"
+        )
 
 
 def from_pretrained(
@@ -204,7 +245,7 @@ def from_pretrained(
     model = model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_state_into(model, iter_hf_tensors(path))
+    load_state_into(model, iter_hf_tensors(path), str(path))
     return model.to(dtype=torch_dtype)  # RoPE frequencies stay float32 (see layers.RotaryEmbedding)
 
 

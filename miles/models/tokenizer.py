@@ -30,6 +30,10 @@ CHAT_TEMPLATE = (
 MODEL_MAX_LENGTH = 1024
 # Files whose presence marks a folder as holding a tokenizer transformers can load.
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_COPY_HINT = (
+    "copy the model's tokenizer files (tokenizer.json, tokenizer_config.json and the rest) into {path} from "
+    "where the weights came from, or point model.path at the original folder"
+)
 
 
 def char_vocab() -> dict[str, int]:
@@ -108,8 +112,35 @@ def load_tokenizer(path: str | Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise MilesUserError(f"could not load the tokenizer in {path}: {e}") from e
+    except Exception as e:  # OSError, a JSON error, the Rust backend's own: a damaged file, whichever
+        raise MilesUserError(
+            f"could not load the tokenizer in {path} ({type(e).__name__}: {e}); "
+            + _COPY_HINT.format(path=path)
+        ) from e
+
+
+PROBE_TEXT = "Hello, world! 12 + 7 = 19"
+"""Text any usable tokenizer turns into tokens other than unk (letters, digits, punctuation, spaces)."""
+
+
+def check_tokenizer(tokenizer: Any, path: str | Path, vocab_size: int | None = None) -> None:
+    """Refuses a tokenizer that cannot drive the model: transformers builds an empty one from a config.json
+    alone (0-1 tokens; every text encodes to nothing), and a run on it skips every step and exits 0. With
+    `vocab_size` (the model's embedding rows), also one whose ids would run past the embedding."""
+    size = len(tokenizer)
+    ids = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if size < 2 or not ids or all(i == unk for i in ids):
+        raise MilesUserError(
+            f"the tokenizer in {path} is unusable: its vocabulary has {size} tokens and it encodes "
+            f"{PROBE_TEXT!r} to {ids[:8]} (no tokenizer vocabulary there, only a config?); "
+            + _COPY_HINT.format(path=path)
+        )
+    if vocab_size is not None and size > vocab_size:
+        raise MilesUserError(
+            f"the tokenizer in {path} has {size} tokens but the model's embedding has {vocab_size} rows "
+            "(config.json vocab_size): it is another model's tokenizer; " + _COPY_HINT.format(path=path)
+        )
 
 
 _SPECIAL_TOKENS: weakref.WeakKeyDictionary[Any, Mapping[int, str]] = weakref.WeakKeyDictionary()

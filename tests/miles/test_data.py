@@ -216,3 +216,79 @@ def test_label_keys_that_rows_do_have_keep_working(tmp_path: Path, caplog: pytes
     with caplog.at_level("WARNING", logger="miles.data"):
         assert [r.label for r in load_rows(DataConfig(path=bare))[0]] == [None]
     assert "no row of" in caplog.text and "data.label_key" in caplog.text and "'target'" in caplog.text
+
+
+BAD_JSONL: dict[str, tuple[bytes, str]] = {
+    # name: (file content, what the error must say: the file's name, the line, the problem, what to do)
+    "empty": (b"", r"empty\.jsonl has no rows.*one JSON object per line"),
+    "blank_lines": (b"\n  \n", r"blank_lines\.jsonl has no rows"),
+    "malformed_middle": (
+        b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c",\n{"prompt": "d"}\n',
+        r"malformed_middle\.jsonl:3 is not valid JSON.*fix or remove that line",
+    ),
+    "not_utf8": (
+        b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n',
+        r"not_utf8\.jsonl:2 is not UTF-8.*save the file as UTF-8",
+    ),
+    "null_prompt": (
+        b'{"prompt": "a"}\n\n{"prompt": null}\n',
+        r"null_prompt\.jsonl:3.*'prompt' is null.*text or",
+    ),
+    "numeric_prompt": (b'{"prompt": 7}\n', r"numeric_prompt\.jsonl:1.*'prompt' is a number \(int\).*text or"),
+    "empty_prompt": (b'{"prompt": "  "}\n', r"empty_prompt\.jsonl:1.*'prompt' is empty"),
+    "bad_message": (
+        b'{"prompt": [{"role": "user"}]}\n',
+        r"bad_message\.jsonl:1.*'prompt'\[0\].*'content'.*\{\"role\": \"user\", \"content\": \"\.\.\.\"\}",
+    ),
+    "not_an_object": (b'{"prompt": "a"}\n[1, 2]\n', r"not_an_object\.jsonl:2 is a JSON array, not an object"),
+    "missing_prompt_key": (
+        b'{"prompt": "a"}\n{"question": "b"}\n',
+        r"missing_prompt_key\.jsonl:2 has no 'prompt'.*data.prompt_key",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_JSONL))
+def test_bad_jsonl_rows_name_the_file_line_and_key(tmp_path: Path, name: str) -> None:
+    """Each way a data file can be broken stops at start with FILE:LINE and what to do, never a library's
+    traceback (a bare StopIteration for an empty file, a pyarrow error for a malformed line)."""
+    content, message = BAD_JSONL[name]
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(MilesUserError, match=message):
+        load_rows(DataConfig(path=str(path)))
+    with pytest.raises(MilesUserError, match=message):  # the held-out file is read the same way
+        load_rows(DataConfig(train_size=4, test_size=2, eval_path=str(path)))
+
+
+def test_bad_parquet_and_dataset_folders_name_the_path(tmp_path: Path) -> None:
+    import pandas as pd
+
+    truncated = tmp_path / "cut.parquet"
+    pd.DataFrame([{"prompt": f"q{i}", "label": str(i)} for i in range(50)]).to_parquet(truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    with pytest.raises(MilesUserError, match=r"cut\.parquet cannot be read as parquet.*write it again"):
+        load_rows(DataConfig(path=str(truncated)))
+    nulls = tmp_path / "nulls.parquet"
+    pd.DataFrame([{"prompt": "q0", "label": "0"}, {"prompt": None, "label": "1"}]).to_parquet(nulls)
+    with pytest.raises(MilesUserError, match=r"nulls\.parquet row 2.*'prompt' is null"):
+        load_rows(DataConfig(path=str(nulls)))
+    not_a_dataset = tmp_path / "folder"
+    not_a_dataset.mkdir()
+    (not_a_dataset / "notes.txt").write_text("hi")
+    with pytest.raises(MilesUserError, match=r"folder is not a saved dataset.*save_to_disk"):
+        load_rows(DataConfig(path=str(not_a_dataset)))
+
+
+def test_a_json_array_file_and_mixed_columns_still_load(tmp_path: Path) -> None:
+    """What the json reader accepted before keeps working: a .json array of rows, rows with different keys."""
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"prompt": "a", "label": "1"}, {"prompt": "b", "label": 2, "extra": True}]))
+    train, _ = load_rows(DataConfig(path=str(array)))
+    assert [(r.prompt, r.label) for r in train] == [("a", "1"), ("b", 2)]
+    lines = tmp_path / "rows.json.jsonl"
+    lines.write_text(
+        '{"prompt": [{"role": "user", "content": "hi"}], "label": "x"}\r\n\r\n{"prompt": "b"}\r\n'
+    )
+    train, _ = load_rows(DataConfig(path=str(lines)))
+    assert [r.prompt for r in train] == [[{"role": "user", "content": "hi"}], "b"]

@@ -1,4 +1,4 @@
-"""Data parallelism (miles/distributed.py): ranks' metrics combined, a data-parallel trainer step equal to
+"""Data parallelism (miles/distributed/): ranks' metrics combined, a data-parallel trainer step equal to
 one process's on the whole batch, and `placement.num_processes=2` runs of the RL loop on CPU (gloo)."""
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def test_launched_ranks_meet_in_a_fresh_file_store_that_is_removed_after(tmp_pat
 
 
 def test_a_store_folder_a_killed_launcher_left_is_removed_by_the_next(tmp_path: Path) -> None:
-    from miles.distributed import _remove_stale_stores
+    from miles.distributed.launcher import remove_stale_stores
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -300,7 +300,7 @@ def test_a_store_folder_a_killed_launcher_left_is_removed_by_the_next(tmp_path: 
     for folder in (stale, live, other):
         (folder / "store").parent.mkdir()
         (folder / "store").write_text("")
-    _remove_stale_stores(tmp_path)
+    remove_stale_stores(tmp_path)
     assert not stale.exists() and live.exists() and other.exists()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from miles.evaluate import evaluate
 from miles.rollout import Engine, SamplingParams
-from miles.rollout.multiturn import EngineClient, MultiTurnRollout, Trajectory
+from miles.rollout.multiturn.rollout import EngineClient, MultiTurnRollout, Trajectory
 from miles.sample import Sample
 from tests.support.models import rollout_config, tiny_model
 

@@ -77,26 +77,67 @@ def test_generate_bad_input_is_clean(tmp_path: Path) -> None:
 
 def test_prompt_file_errors_name_the_file_s_own_line(tmp_path: Path) -> None:
     """Blank lines count in the line numbers; a line that is JSON but not an object is a clean error."""
+    from miles.commands.generate import read_prompts
     from miles.errors import MilesUserError
-    from miles.generate_cli import read_prompts
 
     cases = [
         ('{"prompt": "a"}\n\n\n{"prompt": "b"\n', ":4 is not valid JSON"),
-        ('"just a string"\n', ":1 is not a JSON object with a 'prompt' field"),
-        ('{"prompt": "a"}\n\n["a", "list"]\n', ":3 is not a JSON object with a 'prompt' field"),
+        ('"just a string"\n', ":1 is a JSON string, not an object"),
+        ('{"prompt": "a"}\n\n["a", "list"]\n', ":3 is a JSON array, not an object"),
         ('{"text": "a"}\n', ":1 is not a JSON object with a 'prompt' field"),
+        (
+            '{"prompt": "a"}\n{"prompt": null}\n',
+            ":2: 'prompt' is null; a prompt is text or a list of chat messages",
+        ),
+        ('{"prompt": 12}\n', r":1: 'prompt' is a number \(int\)"),
+        ('{"prompt": [{"content": "hi"}]}\n', r":1: 'prompt'\[0\] is a message without a 'role'"),
+        ("\n\n", "has no rows"),
     ]
     for i, (text, message) in enumerate(cases):
         path = tmp_path / f"p{i}.jsonl"
         path.write_text(text)
         with pytest.raises(MilesUserError, match=message):
             read_prompts(path)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(MilesUserError, match=r"latin1\.jsonl:2 is not UTF-8.*save the file as UTF-8"):
+        read_prompts(latin1)
+    latin1_text = tmp_path / "latin1.txt"
+    latin1_text.write_bytes(b"one\ncaf\xe9\n")
+    with pytest.raises(MilesUserError, match=r"latin1\.txt:2 is not UTF-8"):
+        read_prompts(latin1_text)
+    with pytest.raises(MilesUserError, match="has no prompts"):
+        (tmp_path / "blank.txt").write_text("\n \n")
+        read_prompts(tmp_path / "blank.txt")
     path = tmp_path / "ok.jsonl"
     path.write_text('\n{"prompt": "a"}\n\n{"prompt": [{"role": "user", "content": "b"}]}\n')
     assert read_prompts(path) == ["a", [{"role": "user", "content": "b"}]]
     text = tmp_path / "p.txt"
     text.write_text("one\n\n  \ntwo\n")
     assert read_prompts(text) == ["one", "two"]
+
+
+def test_generate_n_samples_without_a_temperature_sample_at_1(tmp_path: Path) -> None:
+    """`-n 4` alone means four samples, not four copies of the greedy answer: the temperature defaults to 1.0
+    there (0 with -n 1), and stderr says so."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Ann has 3 pens and gets 4 more. How many pens does Ann have now?\n")
+    args = (
+        "generate",
+        "--model",
+        "builtin:tiny_moe_math",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "24",
+    )
+    out = miles(*args, "-n", "4", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    responses = [json.loads(line)["response"] for line in out.stdout.splitlines()]
+    assert len(responses) == 4 and len(set(responses)) > 1, responses
+    assert "temperature 1.0" in out.stderr
+    greedy = miles(*args, "-n", "2", "--temperature", "0", cwd=tmp_path)
+    assert len({json.loads(line)["response"] for line in greedy.stdout.splitlines()}) == 1
 
 
 def test_eval_shipped_checkpoint_is_a_weak_start(tmp_path: Path) -> None:
@@ -137,7 +178,8 @@ def test_a_checkpoint_miles_cannot_load_is_a_clean_error(tmp_path: Path) -> None
     shipped = builtin_dir("tiny_moe_math")
     no_weights, other_arch = tmp_path / "no_weights", tmp_path / "other_arch"
     no_weights.mkdir()
-    shutil.copy(shipped / "config.json", no_weights)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # a tokenizer is checked first
+        shutil.copy(shipped / name, no_weights)
     shutil.copytree(shipped, other_arch)
     config = json.loads((other_arch / "config.json").read_text())
     (other_arch / "config.json").write_text(json.dumps({**config, "model_type": "gemma2"}))

@@ -131,7 +131,7 @@ def test_a_multi_turn_generate_plugin_trains_on_its_model_turns(tmp_path: Path) 
     eval; the tool's tokens are masked, so the trainer's logprobs still match the engine's."""
     plugin = tmp_path / "tool_plugin.py"
     plugin.write_text(
-        "from miles.rollout.multiturn import Trajectory\n"
+        "from miles.rollout.multiturn.rollout import Trajectory\n"
         "async def generate(client, sample, params):\n"
         "    traj = Trajectory(sample)\n"
         "    traj.add_turn(await client.generate(traj.ids, params.with_(max_new_tokens=8)))\n"
@@ -287,7 +287,7 @@ def test_a_new_run_stops_at_start_in_a_folder_holding_another_runs_records(tmp_p
 
 def test_sft_batches_follow_data_shuffle() -> None:
     """data.shuffle=false keeps SFT's samples in the data's order, as it does the RL loop's prompts."""
-    from miles.sft import sft_batches
+    from miles.sft.loop import sft_batches
 
     plain = sft_batches(5, 2, shuffle=False, seed=0)
     assert [next(plain) for _ in range(3)] == [[0, 1], [2, 3], [4, 0]]  # the third runs into the next pass
@@ -352,7 +352,7 @@ def test_dropped_prompts_are_logged_without_an_eval(tmp_path: Path) -> None:
 def test_a_checkpoint_is_fsynced_before_and_after_its_rename(tmp_path: Path, monkeypatch) -> None:
     """Every file and folder of a checkpoint reaches the disk under its temporary name, and the parent
     folder (holding the rename) after it: a power loss cannot leave step_N/ with empty files."""
-    from miles.loop import save_checkpoint
+    from miles.resume import save_checkpoint
     from tests.support.trainer import tiny_model
 
     parent = tmp_path / "checkpoints"

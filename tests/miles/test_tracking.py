@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_a_resumed_tracker_logs_to_the_same_wandb_run(
 
 
 def test_the_wandb_run_goes_on_only_if_nothing_was_logged_past_the_checkpoint(tmp_path: Path) -> None:
-    from miles.loop import _continued_wandb_run
+    from miles.rl.checkpointing import continued_wandb_run
 
     run = tmp_path / "run"
     checkpoint = run / "checkpoints" / "step_000002"
@@ -52,9 +53,9 @@ def test_the_wandb_run_goes_on_only_if_nothing_was_logged_past_the_checkpoint(tm
     state = read_run_state(checkpoint)
     metrics = run / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2)))
-    assert _continued_wandb_run(checkpoint, state) == "abc"  # crashed during step 3
+    assert continued_wandb_run(checkpoint, state) == "abc"  # crashed during step 3
     metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2, 3)))
-    assert _continued_wandb_run(checkpoint, state) is None  # W&B would drop the new step 3
+    assert continued_wandb_run(checkpoint, state) is None  # W&B would drop the new step 3
 
 
 def test_a_metrics_line_cut_short_by_a_crash_does_not_stop_the_resume(tmp_path: Path) -> None:
@@ -221,3 +222,151 @@ def test_a_tracker_keeps_secrets_out_of_wandb_and_the_logs(
     ]
     assert not leaked, leaked
     assert list((tmp_path / "run" / "wandb").rglob("*.wandb"))  # W&B did write its files
+
+
+def test_env_values_that_look_like_credentials_are_masked_whatever_the_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The masking knew secrets by their variable's name (`*_TOKEN`, `*_API_KEY`): `JUDGE_KEY`, or a key in a
+    variable named anything, went out in clear. Now a value that looks like a credential is masked whatever its
+    variable is called, and so is any value of a `*_KEY` / `*_PASS` / `*_PWD` variable; ordinary values stay."""
+    from miles.tracking import redact_text
+
+    secrets = {
+        "JUDGE_KEY": "hunter2hunter2",  # a `*_KEY` name: masked though the value looks ordinary
+        "DB_PASS": "correct-horse-battery",
+        "ANYTHING_AT_ALL": "Zx9vQ2mLp8RtY4wK",  # mixed case and digits: a credential whatever the name
+        "HEXY": "9f86d081884c7d659a2feaa0c55ad015",  # a long hex token
+    }
+    ordinary = {
+        "SOME_PATH": "/usr/local/lib/python3.11/site-packages",
+        "MACHTYPE": "x86_64-pc-linux-gnu",
+        "LANG": "en_US.UTF-8",
+        "RUN_NAME": "grpo-math-experiment",
+        "BIG_NUMBER": "12345678901234567890",
+        "TERM": "xterm-256color",
+        "PWD": "/work/some/folder",  # the shell's, not a `*_PWD` password
+        "CERT_KEY": "/usr/local",  # a key file's path (it exists) is no secret
+    }
+    for name, value in {**secrets, **ordinary}.items():
+        monkeypatch.setenv(name, value)
+    text = " | ".join(f"value {v}" for v in {**secrets, **ordinary}.values())
+    out = redact_text(text)
+    assert not [v for v in secrets.values() if v in out], out
+    assert all(v in out for v in ordinary.values()), out
+
+
+def test_basic_authorization_and_url_userinfo_are_masked() -> None:
+    from miles.tracking import redact_text
+
+    cases = {
+        "Authorization: Basic dXNlcjpwYXNzd29yZA==": "Authorization: Basic ***",
+        "headers={'Authorization': 'Basic dXNlcjpwYXNz'}": "headers={'Authorization': 'Basic ***'}",
+        "proxy-authorization=Token abc123def": "proxy-authorization=Token ***",
+        '"authorization": "sk-live-raw-key-123"': '"authorization": "***"',
+        "sent Basic YWxpY2U6czNjcjN0 upstream": "sent Basic *** upstream",
+        "redis://:pa55word@cache:6379/0": "redis://***@cache:6379/0",
+        "https://user:p@ss@host.example/x": "https://***@host.example/x",
+        # what is no credential stays
+        "basic arithmetic, then Basic Training": "basic arithmetic, then Basic Training",
+        "authorization failed: check the key": "authorization failed: check the key",
+        "mail me@example.com or see https://example.com/a@b": "mail me@example.com or see https://example.com/a@b",
+    }
+    for text, expected in cases.items():
+        assert redact_text(text) == expected, text
+
+
+def _sample(response: str, reward_info: dict) -> Any:
+    from miles.sample import Sample
+
+    return Sample(prompt="what is the key?", response_text=response, reward=0.0, reward_info=reward_info)
+
+
+def test_samples_jsonl_and_uncaught_tracebacks_are_masked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A response or label that quotes a secret (the model saw it in a tool result, a reward's error quoted
+    it) is masked in samples.jsonl; so is a traceback that reaches sys.excepthook (stderr, W&B's console)."""
+    import sys
+    import threading
+
+    monkeypatch.setenv("JUDGE_KEY", "jk-9f8e7d6c5b4a3210")
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    cfg = LoggingConfig(wandb=False, progress=False, plot_every=0)
+    tracker = Tracker(tmp_path / "run", cfg, {}, "recipe", 2)
+    info = {"error": "judge said 401 for Authorization: Basic dXNlcjpwYXNzd29yZA=="}
+    tracker.log_samples(1, [_sample("the key is jk-9f8e7d6c5b4a3210", info)])
+    tracker.close()
+    rows = (tmp_path / "run" / "samples.jsonl").read_text()
+    assert "jk-9f8e7d6c5b4a3210" not in rows and "dXNlcjpwYXNzd29yZA" not in rows, rows
+    assert "the key is ***" in rows
+    try:
+        raise RuntimeError("connecting with jk-9f8e7d6c5b4a3210 to https://bob:pw1234567@h/x")
+    except RuntimeError:
+        sys.excepthook(*sys.exc_info())
+    thread = threading.Thread(target=lambda: (_ for _ in ()).throw(ValueError("key jk-9f8e7d6c5b4a3210")))
+    thread.start()
+    thread.join()
+    err = capsys.readouterr().err
+    assert "RuntimeError" in err and "ValueError" in err and "https://***@h/x" in err, err
+    assert "jk-9f8e7d6c5b4a3210" not in err and "pw1234567" not in err, err
+
+
+class _FullDiskWandb:
+    """A W&B run whose every write fails as on a full disk."""
+
+    id = "full"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log(self, *_: Any, **__: Any) -> None:
+        self.calls += 1
+        raise OSError(28, "No space left on device")
+
+    def finish(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+class _FlakyFile:
+    """A file whose first `failures` writes fail with ENOSPC, writing nothing (then it has room again)."""
+
+    def __init__(self, path: Path, failures: int) -> None:
+        self.inner, self.failures = open(path, "ab", buffering=0), failures
+
+    def write(self, data: bytes) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(28, "No space left on device")
+        return self.inner.write(data)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_full_disk_loses_no_metrics_and_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """W&B failing on every step is one warning, not one a step nor silence; metrics.jsonl writes that fail
+    are kept and written once there is room, so the file ends complete, each record once, in order."""
+    import shutil
+
+    cfg = LoggingConfig(wandb=False, progress=False, plot_every=0)
+    tracker = Tracker(tmp_path / "run", cfg, {}, "recipe", 5)
+    tracker.wandb_run = _FullDiskWandb()
+    tracker.metrics.file = _FlakyFile(tmp_path / "run" / "metrics.jsonl", failures=2)
+    free = shutil.disk_usage(tmp_path)._replace(free=10 << 20)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: free)
+    with caplog.at_level("WARNING", logger="miles.tracking"):
+        for step in range(1, 6):
+            tracker.log_step(step, {"reward/mean": step / 10})
+        tracker.close()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert tracker.wandb_run.calls == 5
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("W&B" in m and "No space left" in m for m in messages) == 1, messages
+    assert sum("could not write to" in m and "metrics.jsonl" in m for m in messages) == 1, messages
+    assert sum("MB free" in m for m in messages) == 1, messages
+    assert any("W&B failed" in m and "5 steps" in m and "metrics.jsonl" in m for m in messages), messages

@@ -73,7 +73,9 @@ def test_cpu_meter_counts_compute_and_not_sleep() -> None:
 
 
 def test_meter_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    name, meter = busy_meter("cpu")  # type: ignore[misc]
+    busy = busy_meter("cpu")
+    assert busy is not None
+    name, meter = busy.metric, busy.sampler
     assert name == "util/cpu_busy_frac" and isinstance(meter, CpuBusy)
 
     def no_nvml(index: int | None = None) -> int:
@@ -84,6 +86,8 @@ def test_meter_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert busy_meter("cuda") is None
     monkeypatch.setattr(torch.cuda, "utilization", lambda index=None: 37)
-    name, meter = busy_meter("cuda:0")  # type: ignore[misc]
+    busy = busy_meter("cuda:0")
+    assert busy is not None
+    name, meter = busy.metric, busy.sampler
     assert name == "util/gpu_busy_frac" and isinstance(meter, BusySampler)
     assert utilization.nvml_reader(torch.device("cuda:0"))() == 37  # type: ignore[misc]

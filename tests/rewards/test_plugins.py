@@ -41,7 +41,7 @@ def test_dotted_path_resolves_in_workers(monkeypatch: pytest.MonkeyPatch) -> Non
     assert [s.reward for s in batch] == [1.0, 0.0]
 
 
-def test_async_reward_runs_concurrently_in_process() -> None:
+def test_async_reward_scores_every_sample() -> None:
     batch = samples_of(*("x" * n for n in range(40)))
     with RewardRunner(RewardConfig(fn=f"{USER}:async_reward", num_workers=2)) as runner:
         metrics = runner.score(batch)
@@ -88,16 +88,18 @@ def test_verl_batched_adapter_is_detected_from_the_signature() -> None:
     assert batch[0].reward_info == {"source": "math"}
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_class_reward_is_built_once_per_process_with_kwargs(num_workers: int) -> None:
+@pytest.mark.parametrize(("num_workers", "in_process"), [(0, False), (2, False), (0, True)])
+def test_class_reward_is_built_once_per_process_with_kwargs(num_workers: int, in_process: bool) -> None:
+    """User code runs in worker processes, also with num_workers=0 (which keeps only built-ins in the trainer);
+    reward.in_process=true is the explicit way to run it in the trainer."""
+    cfg = RewardConfig(fn=f"{USER}:ScaledLength", kwargs={"scale": 2.0}, num_workers=num_workers)
+    cfg.in_process = in_process
     batch = samples_of("ab", "abcd", "a")
-    with RewardRunner(
-        RewardConfig(fn=f"{USER}:ScaledLength", kwargs={"scale": 2.0}, num_workers=num_workers)
-    ) as r:
+    with RewardRunner(cfg) as r:
         r.score(batch)
     assert [s.reward for s in batch] == [4.0, 8.0, 2.0]
     pids = {s.reward_info["pid"] for s in batch}
-    assert (pids == {os.getpid()}) == (num_workers == 0)
+    assert (pids == {os.getpid()}) == in_process
 
 
 def test_weighted_rewards_with_namespaced_kwargs() -> None:

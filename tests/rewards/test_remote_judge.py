@@ -285,3 +285,16 @@ def test_judge_through_the_real_engine() -> None:
         assert 0.0 <= sample.reward <= 1.0
         assert len(sample.reward_info["judge_reply"]) <= 8
         assert ("judge_raw_score" in sample.reward_info) != sample.reward_info.get("judge_parse_error", False)
+
+
+def test_remote_requests_are_not_logged_one_line_each(
+    server: RewardServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs every request at INFO ("HTTP Request: POST ..."): with a batch of hundreds that flooded the
+    console and run.log. The remote reward keeps it to DEBUG; its failures still reach the log."""
+    batch = [Sample(prompt="q", response_text="ok", label=f"ok-{i}") for i in range(20)]
+    with caplog.at_level("INFO"), RewardRunner(remote_cfg(server, "httpx")) as runner:
+        runner.score(batch)
+    assert [s.reward for s in batch] == [1.0] * 20
+    per_request = [r for r in caplog.records if r.levelno >= 20 and "HTTP Request" in r.getMessage()]
+    assert per_request == [], per_request[:2]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import miles.rewards.inprocess as inprocess
+import miles.rewards.in_trainer as in_trainer
 from miles.config import RewardConfig
 from miles.rewards import RewardRunner
 from miles.sample import Sample
@@ -25,6 +25,13 @@ def batch_of(*responses: str) -> list[Sample]:
 
 def kinds(batch: list[Sample]) -> list[str | None]:
     return [s.reward_info.get("error_kind") for s in batch]
+
+
+def in_process(cfg: RewardConfig) -> RewardConfig:
+    """reward.in_process=true: user code in the trainer's process (the in-process executor's tests); without
+    it user code runs in workers whatever num_workers says."""
+    cfg.in_process = True
+    return cfg
 
 
 def test_hostile_rewards_in_worker_processes(caplog: pytest.LogCaptureFixture) -> None:
@@ -96,7 +103,9 @@ def test_memory_leak_and_huge_allocation_are_contained() -> None:
 
 def test_hostile_rewards_in_process() -> None:
     batch = batch_of("ok", "raise", "nan", "sleep", "string", "ok")
-    with RewardRunner(RewardConfig(fn=f"{USER}:selective", timeout_s=0.5, num_workers=0)) as runner:
+    with RewardRunner(
+        in_process(RewardConfig(fn=f"{USER}:selective", timeout_s=0.5, num_workers=0))
+    ) as runner:
         metrics = runner.score(batch)
         assert kinds(batch) == [None, "exception", "nan", "timeout", "bad_return", None]
         assert metrics["reward/errors"] == 4.0 and metrics["reward/timeouts"] == 1.0
@@ -109,7 +118,9 @@ def test_an_in_process_reward_stuck_on_every_sample_costs_three_timeouts_a_batch
     row the reward's other samples of the batch fail at once (counted as timeouts) rather than each waiting
     `timeout_s`; a call that returns resets the count, and the next batch tries again."""
     batch = batch_of("sleep", "sleep", "ok", "sleep", "sleep", "sleep", "sleep", "sleep", "ok")
-    with RewardRunner(RewardConfig(fn=f"{USER}:selective", timeout_s=0.3, num_workers=0)) as runner:
+    with RewardRunner(
+        in_process(RewardConfig(fn=f"{USER}:selective", timeout_s=0.3, num_workers=0))
+    ) as runner:
         metrics = runner.score(batch)
         assert kinds(batch) == ["timeout"] * 2 + [None] + ["timeout"] * 6
         assert metrics["reward/timeouts"] == 8.0
@@ -122,7 +133,9 @@ def test_an_in_process_reward_stuck_on_every_sample_costs_three_timeouts_a_batch
 def test_a_reward_that_drives_an_engine_is_waited_for_not_abandoned() -> None:
     """An engine is stepped by one thread at a time: a judge past reward.timeout_s is waited for (its
     generation ends by itself), so no abandoned thread goes on stepping the engine beside the next call."""
-    cfg = RewardConfig(fn=f"{USER}:SlowJudge", kwargs={"seconds": 0.4}, timeout_s=0.1, num_workers=0)
+    cfg = in_process(
+        RewardConfig(fn=f"{USER}:SlowJudge", kwargs={"seconds": 0.4}, timeout_s=0.1, num_workers=0)
+    )
     with RewardRunner(cfg) as runner:
         batch = batch_of("a", "b", "c")
         metrics = runner.score(batch)
@@ -131,16 +144,23 @@ def test_a_reward_that_drives_an_engine_is_waited_for_not_abandoned() -> None:
         assert not any(s.reward_info.get("overlapped") for s in batch)
 
 
-def test_async_rewards_time_out_and_a_blocked_loop_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("trainer", [False, True])
+def test_async_rewards_time_out_and_a_blocked_loop_is_replaced(
+    monkeypatch: pytest.MonkeyPatch, trainer: bool
+) -> None:
+    """In a worker (the default for user code) or in the trainer (reward.in_process=true) alike."""
     batch = batch_of("ok", "sleep", "raise", "ok")
-    with RewardRunner(RewardConfig(fn=f"{USER}:async_selective", timeout_s=0.5)) as runner:
+    cfg = RewardConfig(fn=f"{USER}:async_selective", timeout_s=0.5)
+    with RewardRunner(in_process(cfg) if trainer else cfg) as runner:
         metrics = runner.score(batch)
     assert kinds(batch) == [None, "timeout", "exception", None]
     assert metrics["reward/errors"] == 2.0 and metrics["reward/timeouts"] == 1.0
+    if not trainer:
+        return
 
-    monkeypatch.setattr(inprocess, "ASYNC_GRACE_S", 0.5)
+    monkeypatch.setattr(in_trainer, "ASYNC_GRACE_S", 0.5)
     blocked = batch_of("a", "b")
-    with RewardRunner(RewardConfig(fn=f"{USER}:blocks_the_loop", timeout_s=0.5)) as runner:
+    with RewardRunner(in_process(RewardConfig(fn=f"{USER}:blocks_the_loop", timeout_s=0.5))) as runner:
         metrics = runner.score(blocked)
         assert kinds(blocked) == ["timeout", "timeout"]
         assert "blocked the event loop" in blocked[0].reward_info["error"]

@@ -317,3 +317,37 @@ def test_process_isolation_refuses_dir_fd_sqlite_and_signal_escapes(tmp_path: Pa
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_process_isolation_refuses_metadata_changes_outside_its_folder(tmp_path: Path) -> None:
+    """Extended attributes (set, remove) and metadata changes through a descriptor opened read-only outside the
+    working directory are refused; the same calls on the case's own files work."""
+    victim = tmp_path / "victim"
+    victim.write_text("host file")
+    os.setxattr(victim, "user.keep", b"1")
+    mode = victim.stat().st_mode
+    escapes = {
+        "setxattr": f"import os\nos.setxattr({str(victim)!r}, 'user.evil', b'1')",
+        "setxattr_trusted": f"import os\nos.setxattr({str(victim)!r}, 'trusted.evil', b'1')",
+        "removexattr": f"import os\nos.removexattr({str(victim)!r}, 'user.keep')",
+        "setxattr_fd": f"import os\nos.setxattr(os.open({str(victim)!r}, os.O_RDONLY), 'user.evil', b'1')",
+        "fchmod": f"import os\nos.fchmod(os.open({str(victim)!r}, os.O_RDONLY), 0o777)",
+        "chmod_fd": f"import os\nos.chmod(os.open({str(victim)!r}, os.O_RDONLY), 0o777)",
+        "fchown": f"import os\nos.fchown(os.open({str(victim)!r}, os.O_RDONLY), 1234, 1234)",
+        "futime": f"import os\nos.utime(os.open({str(victim)!r}, os.O_RDONLY), (0, 0))",
+    }
+    allowed = {
+        "own_xattrs": "import os\nopen('f', 'w').close()\nos.setxattr('f', 'user.x', b'1')\n"
+        "os.setxattr(os.open('f', os.O_RDONLY), 'user.y', b'2')\nos.removexattr('f', 'user.x')\n"
+        "os.fchmod(os.open('f', os.O_RDONLY), 0o600)\nprint('ok')",
+    }
+    programs = {**escapes, **allowed}
+    run = run_in_sandbox([ProgramCase(code) for code in programs.values()], LIMITS, isolation="process")
+    results = dict(zip(programs, run.cases))
+    for name in escapes:
+        assert not results[name].ok, f"{name} was not refused: {results[name]}"
+        assert "sandbox:" in results[name].stderr, name
+    for name in allowed:
+        assert results[name].ok and results[name].stdout == "ok\n", results[name]
+    assert os.listxattr(victim) == ["user.keep"]
+    assert victim.stat().st_mode == mode and victim.stat().st_mtime > 0

@@ -111,7 +111,7 @@ def test_kv_virtual_memory_is_checked_and_stays_off_the_cpu() -> None:
     value is refused by name."""
     import ctypes
 
-    from miles.rollout import virtual_memory
+    from miles.rollout.kv import virtual_memory
 
     with pytest.raises(ValueError, match="kv_virtual_memory"):
         Engine(tiny_model(), None, config(kv_virtual_memory="yes"))
@@ -270,8 +270,8 @@ def test_metrics_names() -> None:
 
 
 def test_flashinfer_page_table_metadata() -> None:
-    from miles.rollout.attention_flashinfer import paged_kv_metadata
-    from miles.rollout.kv_pool import RequestTable
+    from miles.rollout.attention.flashinfer_backend import paged_kv_metadata
+    from miles.rollout.kv.pool import RequestTable
 
     table = RequestTable(4, 64, torch.device("cpu"))
     page = 4
@@ -314,7 +314,7 @@ def test_graph_inputs_and_page_table_pad_to_the_bucket() -> None:
 
     from miles.rollout.cuda_graph import CudaGraphRunner
     from miles.rollout.forward_batch import ForwardBatch
-    from miles.rollout.kv_pool import RequestTable
+    from miles.rollout.kv.pool import RequestTable
 
     table = RequestTable(4, 64, torch.device("cpu"))
     table.table[2, :12] = torch.arange(40, 52, dtype=torch.int32)
@@ -350,7 +350,7 @@ def test_graph_decode_wrappers_take_the_chosen_kernel() -> None:
     tensor cores. (flashinfer itself is stood in for: this checks the arguments the engine passes.)"""
     from types import SimpleNamespace
 
-    from miles.rollout.attention_flashinfer import FlashinferBackend
+    from miles.rollout.attention.flashinfer_backend import FlashinferBackend
 
     made: list[dict[str, object]] = []
     backend = object.__new__(FlashinferBackend)  # without flashinfer, which a CPU install lacks
@@ -397,7 +397,7 @@ def test_verify_graph_padding_and_flashinfer_version() -> None:
 def test_decode_kernel_choice() -> None:
     """`rollout.flashinfer_decode=auto` decodes on tensor cores from 4 query heads per KV head (and always with
     fa3), on CUDA cores below; a bad value fails when the engine is built, on CPU too."""
-    from miles.rollout.attention_flashinfer import decode_uses_tensor_cores
+    from miles.rollout.attention.flashinfer_backend import decode_uses_tensor_cores
 
     assert decode_uses_tensor_cores("auto", "fa2", 4) and decode_uses_tensor_cores("auto", "fa2", 8)
     assert not decode_uses_tensor_cores("auto", "fa2", 2) and not decode_uses_tensor_cores("auto", "fa2", 1)
@@ -502,3 +502,60 @@ def test_chat_message_prompts_are_tokenized_by_the_chat_template() -> None:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert out.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert out.status != SampleStatus.ABORTED and out.response_ids
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(speculative="yes"), "rollout.speculative must be off, ngram, draft or head"),
+        (dict(page_size=0), "rollout.page_size must be >= 1"),
+        (dict(cuda_graph_piecewise_min_batch=-1), "rollout.cuda_graph_piecewise_min_batch must be >= 0"),
+        (dict(max_batch_tokens=0), "rollout.max_batch_tokens must be >= 1"),
+        (dict(max_running_requests=8, max_batch_tokens=4), "must not exceed rollout.max_batch_tokens"),
+        (dict(overlap_schedule="sometimes"), "rollout.overlap_schedule must be auto, on or off"),
+        (dict(fused_kernels="maybe"), "rollout.fused_kernels must be auto, on or off"),
+        (dict(update_policy="keep"), "rollout.update_policy must be finish or retract"),
+        (dict(flashinfer_decode="fast"), "rollout.flashinfer_decode must be one of"),
+        (dict(speculative="ngram", spec_draft_tokens=0), "rollout.spec_draft_tokens must be >= 1"),
+        (dict(spec_ngram_min=3, spec_ngram_max=2), "n-gram sizes need 1 <= n_min <= n_max"),
+        (dict(spec_probe_every=0), "rollout.spec_probe_every >= 1"),
+        (dict(max_context=1), "rollout.max_context must be in"),
+    ],
+)
+def test_the_config_check_refuses_what_the_engine_refuses(overrides: dict[str, object], message: str) -> None:
+    """`check_rollout_config` (what start-time validation runs, before any model loads) raises what the
+    engine would, with the same message; `max_context` is checked against a context length only given one."""
+    from miles.rollout.checks import check_rollout_config
+
+    model = tiny_model()
+    cfg = config(**overrides)
+    with pytest.raises(ValueError, match=message):
+        check_rollout_config(cfg, model.args.context_length)
+    with pytest.raises(ValueError, match=message):
+        Engine(model, None, cfg)
+    if "max_context" in overrides:
+        check_rollout_config(cfg)
+
+
+def test_sampling_params_from_config_are_the_rl_loops() -> None:
+    """`SamplingParams.from_config`: every field the RL loop sets, from the rollout config, the end ids and
+    the seed; `overrides` replace any field."""
+    cfg = RolloutConfig(
+        n_samples_per_prompt=4, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_new_tokens=64
+    )
+    cfg.stop, cfg.record_routing = ["</answer>"], True
+    params = SamplingParams.from_config(cfg, stop_token_ids=[2, 7])
+    assert params == SamplingParams(
+        n=4,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        max_new_tokens=64,
+        stop_token_ids=[2, 7],
+        stop=["</answer>"],
+        return_routing=True,
+    )
+    assert params.seed is None and params.stop is not cfg.stop
+    assert SamplingParams.from_config(cfg, seed=3, n=1).seed == 3
+    assert SamplingParams.from_config(cfg, seed=3, n=1).n == 1

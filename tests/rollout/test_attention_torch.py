@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from miles.models.attention import sdpa
-from miles.rollout.attention_torch import TorchPagedAttention
+from miles.rollout.attention.torch_backend import TorchPagedAttention
 from miles.rollout.forward_batch import ForwardBatch
-from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
+from miles.rollout.kv.pool import KVLayout, KVPool, RequestTable
 
 HKV, HQ, D = 2, 4, 16
 
@@ -123,7 +123,7 @@ def test_whole_prompts_of_one_length_attend_in_one_call(monkeypatch: pytest.Monk
     n = batch.num_tokens
     q, k, v = (torch.randn(n, h, D, generator=gen) for h in (HQ, HKV, HKV))
     batched = attention.attend(0, q, k, v, D**-0.5)
-    monkeypatch.setattr("miles.rollout.attention_torch._fresh_runs", lambda *args: [])
+    monkeypatch.setattr("miles.rollout.attention.torch_backend._fresh_runs", lambda *args: [])
     one_by_one = TorchPagedAttention(pool, table, batch)
     assert not one_by_one.fresh_runs and len(one_by_one.prefills) == 6
     assert torch.equal(one_by_one.attend(0, q, k, v, D**-0.5), batched)
@@ -156,17 +156,17 @@ def test_staged_decode_steps_equal_fresh_gathers(layout: str, monkeypatch: pytes
     after a row leaves, when a suffix outgrows the staged capacity, and after a forward failed half-way. With
     the C decode kernel the staged steps run it against the flash path; where it fails, the flash path runs
     over the copies staged for it, and later steps stage for the flash path again."""
-    from miles.rollout import cpu_attention
-    from miles.rollout.decode_staging import DecodeStaging
+    from miles.rollout.attention import cpu_kernel
+    from miles.rollout.attention.decode_staging import DecodeStaging
 
-    cpu_kernel = layout != "flash"
-    monkeypatch.setattr(cpu_attention.kernel, "on", True)
+    use_kernel = layout != "flash"
+    monkeypatch.setattr(cpu_kernel.kernel, "on", True)
     if layout == "kernel fails":
 
         def broken() -> None:
             raise RuntimeError("no compiler")
 
-        monkeypatch.setattr(cpu_attention, "_load", broken)
+        monkeypatch.setattr(cpu_kernel, "_load", broken)
 
     layers, gen = 2, torch.Generator().manual_seed(3)
     pool = KVPool(KVLayout(layers, HKV, D, torch.float32, 1, None), 2048, torch.device("cpu"))
@@ -202,10 +202,10 @@ def test_staged_decode_steps_equal_fresh_gathers(layout: str, monkeypatch: pytes
             for _ in range(layers)
         ]
         if i == 10:  # this forward fails after its first layer: the next step must not append to stale copies
-            TorchPagedAttention(pool, table, batch, staging, cpu_kernel).attend(0, q, *kv[0], D**-0.5)
+            TorchPagedAttention(pool, table, batch, staging, use_kernel).attend(0, q, *kv[0], D**-0.5)
             continue
         before, planned = gathers, staging.order
-        staged = TorchPagedAttention(pool, table, batch, staging, cpu_kernel)
+        staged = TorchPagedAttention(pool, table, batch, staging, use_kernel)
         # The same rows one token further reuse the last step's plan, even after a failed forward.
         assert (staging.order is planned) == (i > 0 and schedule[i - 1][0] == rows)
         out = [staged.attend(layer, q, *kv[layer], D**-0.5) for layer in range(layers)]

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from miles.config import RolloutConfig
-from miles.rollout import cpu_attention
+from miles.rollout.attention import cpu_kernel
 from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
+from miles.rollout.sampling.params import SamplingParams
 from tests.support.models import tiny_model
 
-BLOCK = cpu_attention.BLOCK
+BLOCK = cpu_kernel.BLOCK
 
 
 def _transposed(keys: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -44,9 +44,7 @@ def test_kernel_matches_a_float64_softmax(q_per_kv: int, dim: int) -> None:
     row_group = torch.tensor(
         [g for g, size in enumerate(sizes) for _ in range(size)] + [-1] * lone, dtype=torch.int32
     )
-    plan = cpu_attention.DecodePlan(
-        suffix_lengths, torch.tensor(prefix_lengths, dtype=torch.int32), row_group
-    )
+    plan = cpu_kernel.DecodePlan(suffix_lengths, torch.tensor(prefix_lengths, dtype=torch.int32), row_group)
     scale = dim**-0.5
     out = plan._attend(q, (_transposed(pk, 48), pv), (_transposed(sk, 64), sv), scale)
 
@@ -68,7 +66,7 @@ def test_a_nan_score_gives_a_nan_row_as_sdpa_does() -> None:
     keys[0, 0, 7, 3] = float("nan")
     values = torch.randn(2, 1, 20, 16)
     q = torch.randn(2, 2, 16)
-    out = cpu_attention.DecodePlan(torch.tensor([20, 20], dtype=torch.int32))._attend(
+    out = cpu_kernel.DecodePlan(torch.tensor([20, 20], dtype=torch.int32))._attend(
         q, None, (_transposed(keys, 32), values), 0.25
     )
     ref = torch.nn.functional.scaled_dot_product_attention(q[:, None], keys, values, scale=0.25)
@@ -82,7 +80,7 @@ def test_kernel_without_prefixes() -> None:
     lengths = torch.tensor([1, 16, 17, 3, 64], dtype=torch.int32)
     q = torch.randn(rows, kv_heads * q_per_kv, dim, generator=gen)
     sk, sv = (torch.randn(rows, kv_heads, 64, dim, generator=gen) for _ in range(2))
-    out = cpu_attention.DecodePlan(lengths)._attend(q, None, (_transposed(sk, 64), sv), 0.25)
+    out = cpu_kernel.DecodePlan(lengths)._attend(q, None, (_transposed(sk, 64), sv), 0.25)
     for b in range(rows):
         n = int(lengths[b])
         qb = q[b].reshape(kv_heads, q_per_kv, dim)
@@ -93,7 +91,7 @@ def test_kernel_without_prefixes() -> None:
 def test_kernel_refuses_layouts_it_cannot_read() -> None:
     rows, dim = 2, 16
     lengths = torch.tensor([3, 20], dtype=torch.int32)
-    plan = cpu_attention.DecodePlan(lengths)
+    plan = cpu_kernel.DecodePlan(lengths)
     q = torch.randn(rows, 4, dim)
     sv = torch.randn(rows, 2, 20, dim)
     with pytest.raises(ValueError, match="multiple of 16"):  # key rows not padded to whole blocks
@@ -105,18 +103,18 @@ def test_kernel_refuses_layouts_it_cannot_read() -> None:
             torch.randn(rows + 1, 4, dim), None, (_transposed(torch.randn(rows, 2, 20, dim), 32), sv), 0.25
         )
     with pytest.raises(ValueError, match="below 0"):
-        cpu_attention.DecodePlan(torch.tensor([3, -5], dtype=torch.int32))
+        cpu_kernel.DecodePlan(torch.tensor([3, -5], dtype=torch.int32))
     with pytest.raises(ValueError, match="contiguous 1-d int32"):
-        cpu_attention.DecodePlan(torch.tensor([3, 99, 20, 99], dtype=torch.int32)[::2])
+        cpu_kernel.DecodePlan(torch.tensor([3, 99, 20, 99], dtype=torch.int32)[::2])
     with pytest.raises(ValueError, match="contiguous 1-d int32"):
-        cpu_attention.DecodePlan(lengths.long())
+        cpu_kernel.DecodePlan(lengths.long())
     # Keys whose rows are block-padded in their strides but whose memory ends right after the longest length.
     tight = torch.randn(15 * 32 + 20).as_strided((1, 1, 16, 20), (512, 512, 32, 1))
-    one = cpu_attention.DecodePlan(torch.tensor([20], dtype=torch.int32))
+    one = cpu_kernel.DecodePlan(torch.tensor([20], dtype=torch.int32))
     with pytest.raises(ValueError, match="outside them"):
         one._attend(torch.randn(1, 2, dim), None, (tight.mT, torch.randn(1, 1, 20, dim)), 0.25)
     with pytest.raises(ValueError, match="group is out of range"):
-        cpu_attention.DecodePlan(
+        cpu_kernel.DecodePlan(
             lengths, torch.tensor([5], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
         )
 
@@ -124,15 +122,15 @@ def test_kernel_refuses_layouts_it_cannot_read() -> None:
 def test_a_failed_build_switches_the_kernel_off(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_attention, "_function", None)
-    monkeypatch.setattr(cpu_attention.kernel, "on", True)
+    monkeypatch.setattr(cpu_kernel, "_function", None)
+    monkeypatch.setattr(cpu_kernel.kernel, "on", True)
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    plan = cpu_attention.DecodePlan(torch.tensor([1], dtype=torch.int32))
+    plan = cpu_kernel.DecodePlan(torch.tensor([1], dtype=torch.int32))
     sk = _transposed(torch.randn(1, 1, 1, 16), 16)
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.log.name):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.log.name):
         assert plan.attend(torch.randn(1, 2, 16), None, (sk, torch.randn(1, 1, 1, 16)), 0.25) is None
-    assert not cpu_attention.kernel.on
+    assert not cpu_kernel.kernel.on
     assert "CPU decode-attention kernel unavailable" in caplog.text
     assert not list(tmp_path.iterdir())  # type: ignore[attr-defined]  # nothing half-built left behind
 
@@ -145,19 +143,19 @@ def test_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (40, 23, 57)]
     params = SamplingParams(n=4, temperature=0.0, max_new_tokens=30, ignore_eos=True)
     calls = 0
-    attend = cpu_attention.DecodePlan._attend
+    attend = cpu_kernel.DecodePlan._attend
 
     def counted(*args: object) -> torch.Tensor:
         nonlocal calls
         calls += 1
         return attend(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cpu_attention.DecodePlan, "_attend", counted)
-    monkeypatch.setattr(cpu_attention.kernel, "on", True)
+    monkeypatch.setattr(cpu_kernel.DecodePlan, "_attend", counted)
+    monkeypatch.setattr(cpu_kernel.kernel, "on", True)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     with_kernel = Engine(model, None, RolloutConfig()).generate(prompts, params)
     assert calls >= 2 * 28  # both layers of (nearly) every decode step
-    monkeypatch.setattr(cpu_attention.kernel, "on", False)
+    monkeypatch.setattr(cpu_kernel.kernel, "on", False)
     flash = Engine(model, None, RolloutConfig()).generate(prompts, params)
     for a, b in zip(with_kernel, flash, strict=True):
         assert a.response_ids == b.response_ids
@@ -172,12 +170,12 @@ def test_an_unwritable_cache_builds_in_a_private_folder(
     import shutil
     from pathlib import Path
 
-    cpu_attention._load()  # the library in the usual cache (the other tests of this file build it too)
-    reference = cpu_attention.library_cache() / cpu_attention.library_name()
+    cpu_kernel._load()  # the library in the usual cache (the other tests of this file build it too)
+    reference = cpu_kernel.library_cache() / cpu_kernel.library_name()
     blocker = Path(str(tmp_path)) / "a_file"
     blocker.write_text("")  # the cache folder would have to be inside a file: it cannot be made
-    monkeypatch.setattr(cpu_attention, "_function", None)
-    monkeypatch.setattr(cpu_attention.kernel, "on", True)
+    monkeypatch.setattr(cpu_kernel, "_function", None)
+    monkeypatch.setattr(cpu_kernel.kernel, "on", True)
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(blocker / "cache"))
     built: list[Path] = []
 
@@ -186,11 +184,11 @@ def test_an_unwritable_cache_builds_in_a_private_folder(
         built.append(out)
         shutil.copy(reference, out)
 
-    monkeypatch.setattr(cpu_attention, "_build", copy_the_built_library)
-    plan = cpu_attention.DecodePlan(torch.tensor([1], dtype=torch.int32))
+    monkeypatch.setattr(cpu_kernel, "_build", copy_the_built_library)
+    plan = cpu_kernel.DecodePlan(torch.tensor([1], dtype=torch.int32))
     keys, values = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
     out = plan.attend(torch.randn(1, 1, 16), None, (_transposed(keys, 16), values), 0.25)
-    assert out is not None and cpu_attention.kernel.on
+    assert out is not None and cpu_kernel.kernel.on
     torch.testing.assert_close(out, values[:, :, :1].expand(1, 1, 1, 16))  # one key: its value
     # Built once, in a new folder of this process's own, not under the cache that could not be made.
     assert len(built) == 1 and built[0].parent.name.startswith("miles-kernels-"), built

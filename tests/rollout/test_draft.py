@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from miles.models import CausalLM, save_pretrained
-from miles.rollout import draft_draws, draft_model
 from miles.rollout.engine import Engine
-from miles.rollout.kv_pool import KVLayout
-from miles.rollout.params import SamplingParams
+from miles.rollout.kv.pool import KVLayout
+from miles.rollout.sampling.params import SamplingParams
+from miles.rollout.spec import draft_model, draws
 from miles.sample import SampleStatus
 from tests.rollout.test_engine import PROMPTS, assert_same_samples, config, kv_bytes
 from tests.support.models import assert_pool_clean, tiny_model
@@ -38,9 +38,9 @@ def draft_run(  # noqa: ANN201
     **cfg,  # noqa: ANN001
 ):
     engine = Engine(model, None, config(speculative="draft", **cfg), draft_model=draft)
-    assert engine.drafter is not None
+    assert engine.spec.drafter is not None
     # As on CUDA with graphs: the tokens a verify step kept go to the draft as decode steps.
-    engine.drafter.decoded_catch_up = decoded_catch_up
+    engine.spec.drafter.decoded_catch_up = decoded_catch_up
     samples = engine.generate(prompts, params)
     assert_pool_clean(engine)
     return samples, engine
@@ -101,12 +101,12 @@ def test_draft_draws_share_plain_decodings_random_numbers(monkeypatch: pytest.Mo
     coupled = engine.metrics()
     assert coupled["rollout/spec_accepted_tokens"] >= 0.95 * coupled["rollout/spec_draft_tokens"]
     assert coupled["rollout/spec_accept_length"] > 4.0
-    shifted = draft_draws.uniforms_of_mixed
+    shifted = draws.uniforms_of_mixed
 
     def other_numbers(mixed, positions):  # noqa: ANN001, ANN202
         return (shifted(mixed, positions) + 0.5) % 1.0
 
-    monkeypatch.setattr(draft_draws, "uniforms_of_mixed", other_numbers)
+    monkeypatch.setattr(draws, "uniforms_of_mixed", other_numbers)
     got, engine = draft_run(model, copy.deepcopy(model), PROMPTS, params)
     assert_same_samples(got, plain)
     independent = engine.metrics()
@@ -123,7 +123,10 @@ def test_the_draft_pool_shares_the_budget_and_follows_updates_and_release() -> N
     budget = 2 * 1024 * 1024
     engine = Engine(old, None, config(speculative="draft", kv_cache_bytes=budget), draft_model=draft)
     per_token = sum(KVLayout.for_model(m.args, m.dtype, 1).bytes_per_token for m in (old, draft))
-    assert engine.drafter is not None and engine.drafter.pool.capacity_tokens == engine.pool.capacity_tokens
+    assert (
+        engine.spec.drafter is not None
+        and engine.spec.drafter.pool.capacity_tokens == engine.pool.capacity_tokens
+    )
     assert (
         (engine.pool.capacity_tokens + 1) * per_token
         <= budget
@@ -132,7 +135,7 @@ def test_the_draft_pool_shares_the_budget_and_follows_updates_and_release() -> N
     rids = [engine.add_request(p, greedy) for p in PROMPTS]
     for _ in range(2):  # the prompts, then a verify step: every request has a draft sequence
         engine.step()
-    assert len(engine.drafter.seqs) == len(PROMPTS)
+    assert len(engine.spec.drafter.seqs) == len(PROMPTS)
     engine.update_weights(new.state_dict(), version=1)
     while engine.has_unfinished:
         engine.step()
@@ -140,7 +143,7 @@ def test_the_draft_pool_shares_the_budget_and_follows_updates_and_release() -> N
     assert [engine.take_result(r).response_ids for r in rids] == [s.response_ids for s in on_new]
     assert_pool_clean(engine)
     engine.release_memory()
-    assert not engine.drafter.pool.allocated and not engine.drafter.seqs
+    assert not engine.spec.drafter.pool.allocated and not engine.spec.drafter.seqs
     engine.resume_memory()
     assert_same_samples(engine.generate(PROMPTS, greedy), on_new)
     assert_pool_clean(engine)
@@ -154,22 +157,22 @@ def test_no_draft_is_computed_for_a_step_that_cannot_verify_it(
     drop all of them. The engine asks the draft model only for the drafts the step can verify: the first
     requests' (five of them with 3 drafts each), or with verify graphs (forced here through the eager path, as on the GPU), which need every
     request drafted alike, none. Every drafted token is then verified."""
-    if verify_graphs:
-        monkeypatch.setattr(Engine, "_verify_batch_limit", lambda self: 64)
     model = tiny_model(False, seed=5, max_position_embeddings=64)
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True)
     cfg = config(speculative="draft", spec_draft_tokens=3, max_batch_tokens=24, max_running_requests=8)
     engine = Engine(model, None, cfg, draft_model=copy.deepcopy(model))
-    assert engine.drafter is not None
+    if verify_graphs:
+        engine.spec.verify_batch_limit = 64
+    assert engine.spec.drafter is not None
     proposed: list[tuple[int, int]] = []  # (requests drafted for, draft tokens)
-    propose = engine.drafter.propose
+    propose = engine.spec.drafter.propose
 
     def counted(reqs, ks):  # noqa: ANN001, ANN202
         drafts = propose(reqs, ks)
         proposed.append((len(reqs), sum(map(len, drafts))))
         return drafts
 
-    engine.drafter.propose = counted  # type: ignore[method-assign]
+    engine.spec.drafter.propose = counted  # type: ignore[method-assign]
     got = engine.generate(PROMPTS[:2], params)
     assert_same_samples(got, Engine(model, None, config()).generate(PROMPTS[:2], params))
     m = engine.metrics()
@@ -206,7 +209,7 @@ def test_the_draft_model_is_checked_and_loaded_from_its_path(tmp_path) -> None: 
     assert small.metrics()["rollout/spec_steps"] > 0
     assert_pool_clean(small)
     # Deterministic mode never speculates, so it loads no draft.
-    assert Engine(model, None, config(speculative="draft", deterministic=True)).drafter is None
+    assert Engine(model, None, config(speculative="draft", deterministic=True)).spec is None
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "each_its_own"])
@@ -225,7 +228,7 @@ def test_a_groups_samples_share_their_prompt_in_the_draft_pool(share: bool) -> N
         max_batch_tokens=512,
     )
     engine = Engine(model, None, cfg, draft_model=copy.deepcopy(model))
-    drafter = engine.drafter
+    drafter = engine.spec.drafter
     assert drafter is not None and drafter.pool.capacity_tokens == engine.pool.capacity_tokens >= 600
     drafter.share_prompts = share
     fed, asked, got = [0], [0], [0]
@@ -298,14 +301,14 @@ def test_a_sequence_past_the_drafts_context_gives_its_slots_back() -> None:
     model = tiny_model(False, seed=5, max_position_embeddings=64)
     draft = tiny_model(False, seed=9, max_position_embeddings=16)
     engine = Engine(model, None, config(speculative="draft"), draft_model=draft)
-    assert engine.drafter is not None
+    assert engine.spec.drafter is not None
     engine.add_request(
         list(range(1, 11)), SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
     )
     for _ in range(12):  # past position 16: no more drafts, and no slots held for them
         engine.step()
-    assert not engine.drafter.seqs
-    assert engine.drafter.pool.free_tokens == engine.drafter.pool.capacity_tokens
+    assert not engine.spec.drafter.seqs
+    assert engine.spec.drafter.pool.free_tokens == engine.spec.drafter.pool.capacity_tokens
 
 
 def test_requests_asking_for_alternatives_decode_without_drafts() -> None:
@@ -339,7 +342,7 @@ def test_a_group_shares_its_prompt_when_its_first_sample_ends_at_its_first_verif
     engine = Engine(
         model, None, config(speculative="draft", spec_draft_tokens=3), draft_model=copy.deepcopy(model)
     )
-    drafter = engine.drafter
+    drafter = engine.spec.drafter
     assert drafter is not None
     fed, proposals = [0], []
     forward, propose = drafter._forward, drafter.propose

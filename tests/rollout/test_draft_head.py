@@ -18,10 +18,10 @@ from miles.models.draft_head import (
     new_draft_head,
     save_draft_head,
 )
-from miles.rollout.draft_head import DraftHeadProposer
-from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
-from miles.rollout.spec_gate import SpecGate
+from miles.rollout import Engine, EngineStats, SamplingParams
+from miles.rollout.spec.decoder import SpecDecoder
+from miles.rollout.spec.gate import SpecGate
+from miles.rollout.spec.head import DraftHeadProposer
 from miles.sample import SampleStatus
 from tests.rollout.test_draft import PEAKY_PROMPTS
 from tests.rollout.test_engine import PROMPTS, assert_same_samples, config, kv_bytes
@@ -127,12 +127,12 @@ def compare_chained_proposals(monkeypatch: pytest.MonkeyPatch, whole_steps_only:
     kept: the requests given chained drafts, per step, are appended to the returned list.
     `whole_steps_only`: compare only where every request of the chain goes on (a proposal graph then
     replays at the chain's own batch bucket, so its kernels are the chain's)."""
-    original = Engine._draft_head_proposals
+    original = SpecDecoder.head_proposals
     compared: list[int] = []
 
-    def comparing(self: Engine, wanted: list) -> None:
-        chained = self._chained
-        original(self, wanted)
+    def comparing(self: SpecDecoder, wanted: list, stats: EngineStats) -> None:
+        chained = self.head_state.chained
+        original(self, wanted, stats)
         if chained is None:
             return
         proposed = chained.read()
@@ -144,12 +144,12 @@ def compare_chained_proposals(monkeypatch: pytest.MonkeyPatch, whole_steps_only:
         again = self.head_drafter.propose(
             [r for r, _ in used],
             [k for _, k in used],
-            self._head_hidden,
-            [self._head_rows[r.rid] for r, _ in used],
+            self.head_state.hidden,
+            [self.head_state.rows[r.rid] for r, _ in used],
         )
         assert [r.draft for r, _ in used] == again
 
-    monkeypatch.setattr(Engine, "_draft_head_proposals", comparing)
+    monkeypatch.setattr(SpecDecoder, "head_proposals", comparing)
     return compared
 
 
@@ -257,7 +257,7 @@ def test_a_gated_head_decodes_plain_steps_between_probes(overlap: str) -> None:
     got = engine.generate(PEAKY_PROMPTS, params)
     assert_same_samples(got, plain)
     decode_steps, m = engine.stats.decode_steps, engine.metrics()
-    assert engine.spec_gate.accept_length is not None and engine.spec_gate.accept_length < 1.5
+    assert engine.spec.gate.accept_length is not None and engine.spec.gate.accept_length < 1.5
     verify_steps = decode_steps - m["rollout/spec_gated_steps"]
     assert 0 < verify_steps <= 2 + decode_steps / 5 and m["rollout/spec_steps"] > 0
     # A trained head keeps ~2.2 tokens a step: open but for the last few requests' steps.

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from miles.config import RolloutConfig
 from miles.models import CausalLM, save_pretrained
 from miles.rollout import Engine, SamplingParams
-from miles.rollout.kv_pool import KVLayout
+from miles.rollout.kv.pool import KVLayout
 from miles.sample import Sample, SampleStatus
 from tests.support.models import assert_pool_clean, full_forward_logprobs, hf_logq, rollout_config, tiny_model
 
@@ -361,7 +361,7 @@ def test_a_request_that_outgrows_a_pool_smaller_than_the_context_is_truncated(se
             torch.tensor(s.rollout_logprobs), torch.tensor(wide.rollout_logprobs[:19]), atol=1e-5, rtol=0
         )
         assert_pool_clean(engine)
-    if engine.speculative:
+    if engine.spec is not None:
         assert engine.metrics()["rollout/spec_accepted_tokens"] > 0
 
 
@@ -479,8 +479,8 @@ def test_graph_verify_drafts_are_uniform_and_exact(limit: int, monkeypatch: pyte
     prompts = [PROMPTS[0] * 2, PROMPTS[4], PROMPTS[3] * 3, [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3]
     params = SamplingParams(n=3, temperature=0.9, max_new_tokens=30, seed=7, stop_token_ids=[41])
     plain = Engine(model, None, config()).generate(prompts, params)
-    monkeypatch.setattr(Engine, "_verify_batch_limit", lambda self: limit)
     engine = Engine(model, None, config(speculative="ngram", spec_draft_tokens=3))
+    engine.spec.verify_batch_limit = limit
     shapes: list[tuple[int, int, int]] = []  # (verify_len, batch, running) of every drafted step
     forward = engine.runner.forward
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -478,9 +477,9 @@ def generate_counting_graphs(
     engine: Engine, params: SamplingParams
 ) -> tuple[list[Sample], list[int], list[int]]:
     """Samples, and the batch sizes of the verify graphs and of the draft model's decode graphs replayed."""
-    assert engine.drafter is not None and engine.drafter.runner.graphs is not None
+    assert engine.spec.drafter is not None and engine.spec.drafter.runner.graphs is not None
     verified = count_verify_graphs(engine)
-    drafted = count_replays(engine.drafter.runner.graphs, "replay")
+    drafted = count_replays(engine.spec.drafter.runner.graphs, "replay")
     return engine.generate(PROMPTS, params), verified, drafted
 
 
@@ -504,7 +503,7 @@ def test_draft_model_speculation_on_cuda_matches_plain_decoding(draft_kind: str)
         metrics = engine.metrics()
         assert verified and drafted, (verified, drafted)
         assert metrics["rollout/spec_draft_tokens"] == 3 * sum(verified), (verified, metrics)
-        drafter = engine.drafter
+        drafter = engine.spec.drafter
         assert drafter is not None and not drafter.seqs
         assert drafter.pool.free_tokens == drafter.pool.capacity_tokens
         if draft_kind == "copy":
@@ -554,8 +553,8 @@ def test_draft_head_speculation_on_cuda_matches_plain_decoding(monkeypatch: pyte
         assert verified, m
         assert sum(compared) == m["rollout/spec_chained_drafts"] > 0, m
         # Proposals replay the proposal graphs (draft_head_graph.py), greedy and temperature-1 ones alike.
-        assert engine.head_drafter is not None and engine.head_drafter.graphs is not None
-        assert engine.head_drafter.graphs.replays > 0, m
+        assert engine.spec.head_drafter is not None and engine.spec.head_drafter.graphs is not None
+        assert engine.spec.head_drafter.graphs.replays > 0, m
         if (
             params.temperature == 0.0
         ):  # (a random bf16 model's flat distributions rarely agree at temperature 1)
@@ -593,9 +592,9 @@ def test_draft_head_proposal_graphs_draw_the_eager_proposals() -> None:
     beside others (rows do not mix); all-greedy proposals have graphs of their own; filtered draws, greedy
     rows mixed with sampled ones, and batches past the buckets run eagerly."""
     from miles.models.draft_head import new_draft_head
-    from miles.rollout.draft_head import DraftHeadProposer
-    from miles.rollout.draft_head_graph import HeadProposalGraphs
     from miles.rollout.request import Request
+    from miles.rollout.spec.head import DraftHeadProposer
+    from miles.rollout.spec.head_graph import HeadProposalGraphs
 
     model = gpu_model(moe=False, seed=3)
     head = new_draft_head(model.args, 0, model.dtype, model.device, seed=2)
@@ -634,47 +633,6 @@ def test_draft_head_proposal_graphs_draw_the_eager_proposals() -> None:
         ks, picked = [3] * len(others), list(range(len(others)))
         assert graphed.propose(others, ks, hidden, picked) == eager.propose(others, ks, hidden, picked)
     assert graphs.replays == 4
-
-
-def test_bench_layers_times_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
-    """The decode-step microbenchmark runs each schedule as a CUDA graph (small shape: it checks the
-    plumbing, not the numbers)."""
-    import json
-
-    from miles.rollout import bench_layers
-
-    small = ["--model", "qwen3-0.6b", "--batch", "64", "--context", "128", "--iters", "2"]
-    # two green-context sizes: the first pair of contexts must outlive the loop that made it
-    assert bench_layers.main([*small, "--green-sms", "16,32", "--carveout", "0,16"]) == 0
-    report = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert set(report["ms"]) >= {"gemms", "attention", "serial", "serial-2mb", "overlap-2mb"}
-    assert set(report["ms"]) >= {"attention-green-16", "overlap-gemm-green-32", "overlap-carve-16"}
-    failed = {k: v for k, v in report["ms"].items() if not isinstance(v, float)}
-    assert not failed and all(v > 0 for v in report["ms"].values()), failed
-    assert report["ms"]["serial"] >= 0.5 * (report["ms"]["gemms"] + report["ms"]["attention"]), report
-
-
-@pytest.mark.parametrize(("layout", "page"), [("NHD", 1), ("NHD", 16), ("HND", 16)])
-def test_bench_attention_variants_agree_with_float32(
-    layout: str, page: int, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`miles bench attention` on a small batch: the engine's variants run in both page layouts and agree with
-    its float32 reference (it checks the plumbing and the layouts, not the numbers)."""
-    import json
-
-    from miles.rollout import bench_attention
-
-    args = ["--model", "qwen3-8b", "--batch", "4", "--context", "40", "--iters", "2", "--layout", layout]
-    variants = "fa2-graph-strided-q,fa2-tensor-core,cuda-core-graph"
-    timing = "eager" if page == 1 else "graph"
-    assert (
-        bench_attention.main([*args, "--page-size", str(page), "--variants", variants, "--timing", timing])
-        == 0
-    )
-    report = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert [r["variant"] for r in report["results"]] == variants.split(",")
-    for r in report["results"]:
-        assert "error" not in r and r["rel_err"] < 1e-2 and r["seconds"] > 0, r
 
 
 @pytest.mark.parametrize(
@@ -867,8 +825,8 @@ def test_compiled_sampler_draws_what_the_eager_one_draws(monkeypatch: pytest.Mon
     """The engine's unfiltered draw on CUDA with fused kernels (compiled block totals) against the eager
     float64 inverse CDF: same tokens, logprobs to float32 rounding; mixed greedy rows included."""
     from miles.models import fused
-    from miles.rollout import sampling_triton
-    from miles.rollout.sampling import SamplingTensors, sample, uniforms
+    from miles.rollout.sampling import triton_kernel
+    from miles.rollout.sampling.sampler import SamplingTensors, sample, uniforms
 
     torch.manual_seed(0)
     rows, vocab = 300, 151936
@@ -885,13 +843,13 @@ def test_compiled_sampler_draws_what_the_eager_one_draws(monkeypatch: pytest.Mon
     )
     eager = sample(logits, params)
     kernel_calls = []
-    kernel = sampling_triton.block_masses_kernel
+    kernel = triton_kernel.block_masses_kernel
     monkeypatch.setattr(
-        sampling_triton, "block_masses_kernel", lambda *args: kernel_calls.append(1) or kernel(*args)
+        triton_kernel, "block_masses_kernel", lambda *args: kernel_calls.append(1) or kernel(*args)
     )
     with fused.fused_kernels():
         compiled = sample(logits, params)
-    assert kernel_calls and sampling_triton.kernel.on and not fused._failed  # totals from the kernel
+    assert kernel_calls and triton_kernel.kernel.on and not fused._failed  # totals from the kernel
     assert torch.equal(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-4)
 
@@ -901,8 +859,8 @@ def test_sampler_block_kernel_matches_the_eager_totals(dtype: torch.dtype) -> No
     """The one-pass Triton block totals against eager `block_masses` (float64 sums of exp(scaled - max)): the
     same maximum bit for bit, totals within float32 rounding; blocks of -inf logits count 0, a partial last
     block, a strided (sliced) logits tensor and a low temperature (blocks far below the maximum) included."""
-    from miles.rollout import sampling_triton
-    from miles.rollout.sampling import _CDF_BLOCK, block_masses
+    from miles.rollout.sampling import triton_kernel
+    from miles.rollout.sampling.sampler import _CDF_BLOCK, block_masses
 
     torch.manual_seed(0)
     rows, vocab = 37, 151936
@@ -912,7 +870,7 @@ def test_sampler_block_kernel_matches_the_eager_totals(dtype: torch.dtype) -> No
     logits[4, 77] = 40.0  # one dominant token: the other blocks' totals underflow towards 0
     temperature = torch.rand(rows, device="cuda") + 0.5
     temperature[5] = 0.05  # scaled logits span about +-300: most of the row's block totals underflow to 0
-    top, mass = sampling_triton.block_masses_kernel(logits, temperature, _CDF_BLOCK)
+    top, mass = triton_kernel.block_masses_kernel(logits, temperature, _CDF_BLOCK)
     ref_top, ref_mass = block_masses(logits, temperature)
     assert torch.equal(top, ref_top)
     assert mass.dtype == torch.float64 and mass.shape == ref_mass.shape
@@ -1051,51 +1009,6 @@ def test_fused_moe_tile_variants_agree(tokens: int, experts: int, hidden: int, i
         assert float((out.float() - reference.float()).norm() / reference.float().norm()) < 1e-2, cfg
         if tma:
             assert torch.equal(out, run(replace(cfg, tma=False), replace(cfg, tma=False))), cfg
-
-
-def test_bench_moe_focused_sweep_writes_tables_the_rollout_bench_reads(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import json
-
-    from miles.models import fused_moe
-    from miles.rollout import bench_moe
-
-    path = tmp_path / "tiles.json"
-    argv = "--model tiny --tokens 64 --layers 2 --iters 2 --sweep --grid focused".split()
-    assert bench_moe.main([*argv, "--save-configs", str(path)]) == 0
-    report = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert report["results"][0]["sweep"]["pairs"]
-    tuned = fused_moe.load_tables(str(path))
-    # tiny: 64 tokens x top-2 of 4 experts = 32 pairs per expert, the last range; the others are untouched.
-    assert (
-        tuned.gate_up[:-1] == fused_moe.tables.gate_up[:-1] and tuned.down[:-1] == fused_moe.tables.down[:-1]
-    )
-
-
-def test_bench_rollout_roofline_takes_the_higher_copy_bandwidth(capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
-    from miles.rollout import bench
-
-    argv = "--model tiny --num-prompts 4 --input-len 16 --output-len 8 --backend torch".split()
-    assert bench.main([*argv, "--cuda-graph", "off"]) == 0
-    report = json.loads(capsys.readouterr().out.splitlines()[0])
-    before, after = report["copy_bandwidth_before_after"]
-    assert before > 1e11 and after > 1e11 and report["copy_bandwidth_bytes_per_s"] == max(before, after)
-    assert 0 < report["decode_pct_of_roofline"] and report["decode_by_batch"]
-
-
-def test_bench_moe_times_both_paths(capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
-    from miles.rollout import bench_moe
-
-    assert bench_moe.main(["--model", "tiny", "--tokens", "8,64", "--layers", "2", "--iters", "2"]) == 0
-    report = json.loads(capsys.readouterr().out.splitlines()[0])
-    for row in report["results"]:
-        assert all(v > 0 for v in row["ms_per_layer"].values()), row
-        assert row["fused_vs_grouped_rel_err"] < 1e-2, row
 
 
 def test_the_kv_pool_leaves_the_reserved_memory_free() -> None:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from miles.rollout.attention_flashinfer import paged_kv_metadata
-from miles.rollout.kv_manager import KVManager
-from miles.rollout.kv_pool import KVLayout, KVPool, RequestTable
+from miles.rollout.attention.flashinfer_backend import paged_kv_metadata
+from miles.rollout.kv.manager import KVManager
+from miles.rollout.kv.pool import KVLayout, KVPool, RequestTable
 
 
 def _check(kv: KVManager, lens: list[int]) -> None:

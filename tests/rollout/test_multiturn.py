@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from miles.rollout import Engine, SamplingParams
-from miles.rollout.multiturn import EngineClient, EngineRefused, MultiTurnRollout, Trajectory
+from miles.rollout.multiturn.rollout import EngineClient, EngineRefused, MultiTurnRollout, Trajectory
 from miles.sample import Sample, SampleStatus
 from tests.support.models import assert_pool_clean, full_forward_logprobs, rollout_config, tiny_model
 
@@ -156,7 +156,7 @@ def test_the_readme_calculator_plugin() -> None:
     tokens after each call, and a turn without a call ends the trajectory."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "multiturn.md").read_text()
     marker = "# calculator.py"
     code = marker + readme.split(f"```python\n{marker}", 1)[1].split("```", 1)[0]
     namespace: dict[str, object] = {}
@@ -330,7 +330,7 @@ def test_a_trajectory_whose_turn_the_engine_refused_keeps_the_reason() -> None:
 def test_a_turn_that_outgrows_a_kv_pool_smaller_than_the_context_is_truncated() -> None:
     """The engine aborts a request that outgrows its KV pool (which drops a trajectory from training): the
     client caps a turn where the pool ends, so it ends TRUNCATED there, with the tokens it would have drawn."""
-    from miles.rollout.kv_pool import KVLayout
+    from miles.rollout.kv.pool import KVLayout
 
     model = tiny_model(False, seed=1)
     per_token = KVLayout.for_model(model.args, model.dtype, 1, False).bytes_per_token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout.ngram import NgramIndex
+from miles.rollout.spec.ngram import NgramIndex
 
 
 def test_the_longest_suffix_match_wins_and_the_latest_occurrence() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.rollout.radix_cache import RadixCache
+from miles.rollout.kv.radix_cache import RadixCache
 
 
 class FreeLog:

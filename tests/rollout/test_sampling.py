@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from miles.rollout.params import SamplingParams
-from miles.rollout.sampling import SamplingTensors, _splitmix64, derive_seed, sample, uniforms
+from miles.rollout.sampling.params import SamplingParams
+from miles.rollout.sampling.sampler import SamplingTensors, _splitmix64, derive_seed, sample, uniforms
 from tests.support.models import hf_logq
 
 
@@ -216,7 +216,7 @@ def test_draw_from_block_masses_matches_the_full_weights(temperature: float) -> 
     """The GPU engine's unfiltered draw (block totals, then one block's weights recomputed) picks the token
     the full float64 inverse CDF picks, with the same logprob; a vocabulary that is not a multiple of the
     block exercises the padding."""
-    from miles.rollout.sampling import _sample_from_block_masses
+    from miles.rollout.sampling.sampler import _sample_from_block_masses
 
     torch.manual_seed(0)
     rows, vocab = 64, 5000

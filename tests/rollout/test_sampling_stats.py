@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from miles.rollout.sampling import SamplingTensors, filtered_logprobs, sample, top_alternatives, uniforms
+from miles.rollout.sampling.sampler import (
+    SamplingTensors,
+    filtered_logprobs,
+    sample,
+    top_alternatives,
+    uniforms,
+)
 
 
 def reference_q(

@@ -40,9 +40,9 @@ import torch
 from miles.config import RolloutConfig
 from miles.models import CausalLM
 from miles.models.draft_head import DraftHead, new_draft_head
-from miles.rollout import draft_draws, draft_head
-from miles.rollout.engine import Engine
-from miles.rollout.params import SamplingParams
+from miles.rollout import Engine, EngineStats, SamplingParams
+from miles.rollout.spec import draws, head
+from miles.rollout.spec.decoder import SpecDecoder
 from miles.sample import Sample, SampleStatus
 from tests.rollout.test_sampling_stats import chi_square_p, reference_q
 from tests.support.models import assert_pool_clean, rollout_config, tiny_model
@@ -265,24 +265,24 @@ def test_the_vectorised_reference_is_reference_q() -> None:
 
 
 class VerifyLog:
-    """What each verify step kept (Engine._accept wrapped): (drafts, kept tokens, status, whether the output
+    """What each verify step kept (SpecDecoder.accept wrapped): (drafts, kept tokens, status, whether the output
     reached max_new_tokens)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.steps: list[tuple[tuple[int, ...], list[int], SampleStatus | None, bool]] = []
         self.where: list[tuple[int, int]] = []
         """(request index in its group, output length before the step) of each step."""
-        original = Engine._accept
+        original = SpecDecoder.accept
 
-        def accept(engine, req, draft, tokens, logprobs, cuts):  # noqa: ANN001, ANN202
+        def accept(spec, req, draft, tokens, logprobs, cuts, stats):  # noqa: ANN001, ANN202
             before = len(req.output_ids) - 1  # the placeholder goes
-            status = original(engine, req, draft, tokens, logprobs, cuts)
+            status = original(spec, req, draft, tokens, logprobs, cuts, stats)
             at_limit = len(req.output_ids) == req.params.max_new_tokens
             self.steps.append((tuple(draft), req.output_ids[before:], status, at_limit))
             self.where.append((req.index, before))
             return status
 
-        monkeypatch.setattr(Engine, "_accept", accept)
+        monkeypatch.setattr(SpecDecoder, "accept", accept)
 
     def events(self) -> Counter:
         """Counts of each path: `rejected@j` (the sample of row j differs from its draft), `all_accepted`
@@ -456,11 +456,11 @@ def test_injected_drafts_keep_exactly_their_matching_prefix(
     rng = random.Random(0)
     planned: dict[tuple[int, int], int] = {}
     """(index, output length) -> drafts that are plain decoding's next tokens."""
-    propose = Engine._propose_drafts
+    propose = SpecDecoder.propose
 
-    def injected(engine: Engine) -> None:
-        propose(engine)
-        for req in engine.scheduler.running:
+    def injected(spec: SpecDecoder, stats: EngineStats, alternatives: bool) -> None:
+        propose(spec, stats, alternatives)
+        for req in spec.scheduler.running:
             if not req.draft:
                 continue
             response, q = responses[req.index]
@@ -476,7 +476,7 @@ def test_injected_drafts_keep_exactly_their_matching_prefix(
             req.draft = draft
             planned[(req.index, at)] = right
 
-    monkeypatch.setattr(Engine, "_propose_drafts", injected)
+    monkeypatch.setattr(SpecDecoder, "propose", injected)
     log = VerifyLog(monkeypatch)
     got, engine = generate(params, speculative="head", spec_draft_tokens=K, draft_head=token_head(MODEL))
     assert_same_samples(got, plain)
@@ -504,7 +504,7 @@ def test_the_samples_do_not_depend_on_the_drafts_random_numbers(
     rates = []
     for shifted in (False, True):
         if shifted:
-            for module in (draft_draws, draft_head):
+            for module in (draws, head):
                 shared = module.uniforms_of_mixed
                 monkeypatch.setattr(
                     module,

@@ -1,4 +1,4 @@
-"""The tool-use generate plugin (rollout/tool_agent.py): the model's `<tool_call>` blocks run Python tools, and
+"""The tool-use generate plugin (rollout/multiturn/tool_agent.py): the model's `<tool_call>` blocks run Python tools, and
 the template's tool turns go back as environment tokens, with the model's own tokens trained on."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from miles.config import RolloutConfig
 from miles.model_io import load_model
 from miles.rollout import Engine, SamplingParams
-from miles.rollout.multiturn import MultiTurnRollout
-from miles.rollout.tool_agent import tool_agent
+from miles.rollout.multiturn.rollout import MultiTurnRollout
+from miles.rollout.multiturn.tool_agent import tool_agent
 from miles.sample import Sample, SampleStatus
-from tests.rollout.test_tool_calls import TOOL_TEMPLATE
+from tests.serve.test_tool_calls import TOOL_TEMPLATE
 from tests.support.models import assert_pool_clean
 
 
@@ -243,9 +243,9 @@ def test_a_conversation_that_outgrows_the_engine_ends_as_truncated(
     engine refuses a prompt past it and aborts a turn that outgrows it, and either would drop the whole
     trajectory from training (ABORTED). It ends as a length cut instead, within what the engine holds, with
     the model's turns trained on."""
-    import miles.rollout.tool_agent as module
-    from miles.rollout.kv_pool import KVLayout
-    from miles.rollout.tool_calls import ParsedReply, ToolCall
+    import miles.rollout.multiturn.tool_agent as module
+    from miles.rollout.kv.pool import KVLayout
+    from miles.rollout.multiturn.tool_calls import ParsedReply, ToolCall
 
     def lookup(q: str) -> str:
         """Looks something up.

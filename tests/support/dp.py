@@ -79,5 +79,8 @@ def train_worker(rank: int, world: int, port: int, case: dict, out_dir: str) -> 
             tensors.update({f"master.{k}": v.contiguous() for k, v in trainer.masters.named_masters()})
         save_file(tensors, str(out / f"rank{rank}.safetensors"))
         (out / f"rank{rank}.json").write_text(json.dumps(metrics))
+        # Every rank done with the group before one tears it down: gloo can abort a peer whose pair is closed
+        # under it (a SIGABRT seen once under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()

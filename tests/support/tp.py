@@ -66,6 +66,7 @@ def tp_worker(rank: int, world: int, tp: int, store: str, case: dict, out_dir: s
         (out / f"rank{rank}.json").write_text(
             json.dumps({"metrics": metrics, "after": after, "state_shapes": shapes})
         )
+        dist.barrier()  # every rank done with the group before one tears it down (gloo aborts on an early close)
     finally:
         dist.destroy_process_group()
 

@@ -25,14 +25,6 @@ from miles.trainer.policy_trainer import _tis_weights
 from tests.support.trainer import make_trainer, random_samples, reference_logprobs, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def scored(groups: list[list[float]]) -> list[Sample]:
     return [Sample(reward=r, group_id=g, index=i) for g, rs in enumerate(groups) for i, r in enumerate(rs)]
 

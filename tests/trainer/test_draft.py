@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from miles.build import build_inputs
 from miles.config import MilesConfig
+from miles.config.validate import check_draft_training
 from miles.errors import MilesUserError
-from miles.loop import _check_draft_training, prepare_inputs
 from miles.model_io import load_model
 from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample, SampleStatus
@@ -92,7 +93,7 @@ def test_a_trained_draft_is_accepted_more_and_the_samples_do_not_change() -> Non
     """A random draft trained on the policy's samples: its NLL of them falls, the share of its drafts the
     policy accepts on the same prompts rises several-fold, and the samples are plain decoding's throughout."""
     cfg = _config(spec_draft_lr=3e-3, spec_draft_train_epochs=30)
-    inputs = prepare_inputs(cfg)
+    inputs = build_inputs(cfg)
     draft = load_model("init:qwen3:tiny", device="cpu", seed=1).model
     trainer = DraftTrainer(draft, inputs.model.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm)
     engine = Engine(inputs.model, inputs.tokenizer, cfg.rollout, draft_model=draft)
@@ -151,17 +152,17 @@ def test_draft_training_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="spec_draft_train_epochs"):
         DraftTrainer(draft, 101, cfg.trainer, replace(cfg.rollout, spec_draft_train_epochs=0), cfg.algorithm)
     cfg.rollout = replace(cfg.rollout, spec_draft_model="init:qwen3:tiny")
-    _check_draft_training(cfg)
+    check_draft_training(cfg)
     for rollout in (replace(cfg.rollout, speculative="ngram"), replace(cfg.rollout, deterministic=True)):
         with pytest.raises(MilesUserError, match="speculative=draft"):
-            _check_draft_training(replace(cfg, rollout=rollout))
+            check_draft_training(replace(cfg, rollout=rollout))
     for rollout, message in (
         (replace(cfg.rollout, spec_draft_model=None), "set rollout.spec_draft_model"),
         (replace(cfg.rollout, spec_draft_model="x", spec_draft_lr=float("inf")), "positive and finite"),
         (replace(cfg.rollout, spec_draft_model="x", spec_draft_train_epochs=0), "must be >= 1"),
     ):
         with pytest.raises(MilesUserError, match=message):
-            _check_draft_training(replace(cfg, rollout=rollout))
+            check_draft_training(replace(cfg, rollout=rollout))
 
 
 def test_a_run_checkpoints_its_trained_draft_and_resumes_it(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.build import build_inputs
 from miles.config import OptimConfig, RolloutConfig, TrainerConfig
-from miles.loop import prepare_inputs
 from miles.models.attention import VarlenAttention
 from miles.models.draft_head import load_draft_head, new_draft_head
 from miles.rollout import Engine
@@ -84,7 +84,7 @@ def test_the_loss_is_the_kl_of_every_position_and_step() -> None:
 
 def _train(epochs: int, lr: float):  # noqa: ANN202
     cfg = _config(speculative="head", spec_draft_lr=lr, spec_draft_train_epochs=epochs, spec_draft_tokens=3)
-    inputs = prepare_inputs(cfg)
+    inputs = build_inputs(cfg)
     head = new_draft_head(inputs.model.args, 0, torch.float32, torch.device("cpu"), seed=1)
     trainer = DraftHeadTrainer(head, inputs.model, cfg.trainer, cfg.rollout)
     engine = Engine(inputs.model, inputs.tokenizer, cfg.rollout, draft_head=head)
@@ -191,17 +191,17 @@ def test_two_processes_train_the_head_as_one(tmp_path: Path) -> None:
 
 
 def test_head_training_checks_its_settings() -> None:
+    from miles.config.validate import check_draft_training
     from miles.errors import MilesUserError
-    from miles.loop import _check_draft_training
 
     cfg = _config(speculative="head")
-    _check_draft_training(cfg)  # a head needs nothing to start from
+    check_draft_training(cfg)  # a head needs nothing to start from
     with pytest.raises(MilesUserError, match="speculative=head"):
-        _check_draft_training(replace(cfg, rollout=replace(cfg.rollout, speculative="ngram")))
+        check_draft_training(replace(cfg, rollout=replace(cfg.rollout, speculative="ngram")))
     with pytest.raises(ValueError, match="spec_draft_lr"):
         DraftHeadTrainer(
-            new_draft_head(prepare_inputs(cfg).model.args, 0, torch.float32, torch.device("cpu"), 0),
-            prepare_inputs(cfg).model,
+            new_draft_head(build_inputs(cfg).model.args, 0, torch.float32, torch.device("cpu"), 0),
+            build_inputs(cfg).model,
             cfg.trainer,
             replace(cfg.rollout, spec_draft_lr=0.0),
         )

@@ -1,0 +1,1 @@
+"""The `miles` commands that run a job: `train`, `generate`, `eval`, `reward` (`serve` and `bench` are wings of their own)."""

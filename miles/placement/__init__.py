@@ -1,0 +1,1 @@
+"""Where the loop's roles run past one process: an engine in a process of its own (`engine_process`)."""

@@ -1,0 +1,415 @@
+"""An engine in a process of its own, spawned by the trainer side: `EngineProcess(spec).start()`.
+
+The child builds an `Engine` from an `EngineSpec` (a checkpoint folder, or random weights of a preset shape),
+then serves two pipes: commands (`generate`, a few engine calls) and weight syncs (an `EngineSyncTarget` on
+the engine: connect a sender to `EngineProcess.sync_channel`). Between engine steps it reads both, so a sync
+can arrive while requests are in flight: they follow the engine's `rollout.update_policy` (finished on the old
+weights, or retracted and restarted on the new ones), and every sample carries the `weight_version` it was
+generated with.
+
+    engine = EngineProcess(EngineSpec(model_path="ckpt/", dtype="bfloat16")).start()
+    sender = make_sender("cuda_ipc", [engine.sync_channel], bucket_mb=512, device="cuda")
+    sender.connect()
+    sync = TransportWeightSync(policy, sender)
+    samples = engine.generate(prompts, SamplingParams(n=8))
+    result = sync.sync(version=1)          # the engine now holds the policy's weights, checked bit for bit
+    ...
+    sync.close(); engine.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from miles.config import RolloutConfig
+from miles.rollout import Engine, SamplingParams
+from miles.sample import Sample
+from miles.weight_sync.channel import Channel
+from miles.weight_sync.target import EngineSyncTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSpec:
+    """How the child process builds its engine: from `model_path` (a Hugging Face checkpoint folder, with its
+    tokenizer if it has one), or, without it, random weights of `preset` (miles/models/presets.py)."""
+
+    model_path: str | None = None
+    preset: str | None = None
+    arch: str | None = None
+    """The tiny preset's architecture (qwen3, qwen3_moe, llama)."""
+    vocab_size: int | None = None
+    layers: int = 0
+    """Keep only the preset's first N layers (0: all): a large shape in a fraction of its memory."""
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    num_threads: int | None = 1
+    """torch's intra-op threads in the child (None: torch's default)."""
+    reserve_bytes: int = 0
+    """GPU memory the engine's KV pool leaves for others (a colocated trainer)."""
+
+    def build(self) -> Engine:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.model_path is not None and Path(self.model_path).is_dir():
+            return Engine.from_path(self.model_path, self.rollout, dtype=self.dtype, device=device)
+        if (
+            self.model_path is not None
+        ):  # builtin:NAME, init:ARCH:PRESET or smollm2:..., as `model.path` reads
+            from miles.model_io import load_model
+
+            loaded = load_model(self.model_path, self.dtype, device, seed=self.seed)
+            return Engine(loaded.model, loaded.tokenizer, self.rollout, reserve_bytes=self.reserve_bytes)
+        if self.preset is None:
+            raise ValueError("EngineSpec needs a model_path (checkpoint folder) or a preset (random weights)")
+        from miles.models.presets import build_random_model, preset_args
+
+        args = preset_args(self.arch, self.preset, self.vocab_size)
+        if self.layers:
+            args = replace(args, num_hidden_layers=min(self.layers, args.num_hidden_layers))
+        model = build_random_model(args, self.dtype, device, seed=self.seed)
+        return Engine(model, None, self.rollout, reserve_bytes=self.reserve_bytes)
+
+
+# commands (trainer -> engine process) and replies ------------------------------------------------------
+@dataclass
+class Generate:
+    request: int
+    prompts: list[Sample] | list[list[int]] | list[str]
+    params: SamplingParams
+
+
+@dataclass
+class Call:
+    request: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Started:
+    pid: int
+    weight_version: int
+    dtype: str
+    device: str
+
+
+@dataclass
+class Reply:
+    request: int
+    value: Any = None
+    error: str | None = None
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed a request, died, or stopped answering; the message names it."""
+
+
+class EngineProcess:
+    def __init__(self, spec: EngineSpec, name: str = "engine-0", timeout_s: float = 300.0) -> None:
+        """`timeout_s`: how long the trainer side waits for the engine process to start, and its sync
+        channel's timeout (how long a sync waits for the engine's next answer)."""
+        self.spec, self.name, self.timeout_s = spec, name, float(timeout_s)
+        self.process: Any = None
+        self.sync_channel: Channel | None = None
+        self.info: Started | None = None
+        self._commands: Connection | None = None
+        self._next_request = 0
+        self._replies: dict[int, Reply] = {}
+
+    def start(self) -> EngineProcess:
+        context = mp.get_context("spawn")
+        commands, child_commands = context.Pipe()
+        sync, child_sync = context.Pipe()
+        self.process = context.Process(
+            target=serve,
+            args=(self.spec, self.name, child_commands, child_sync, self.timeout_s),
+            name=f"miles-{self.name}",
+            daemon=True,
+        )
+        self.process.start()
+        child_commands.close()
+        child_sync.close()
+        self._commands = commands
+        self.sync_channel = Channel(sync, f"{self.name} (pid {self.process.pid})", self.timeout_s)
+        started = self._receive("starting", self.timeout_s)
+        if not isinstance(started, Started):
+            raise EngineProcessError(f"{self.name} did not start: {started}")
+        self.info = started
+        return self
+
+    def __enter__(self) -> EngineProcess:
+        return self if self.process is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # requests --------------------------------------------------------------------------------------
+    def submit(
+        self, prompts: Sequence[Sample] | Sequence[list[int]] | Sequence[str], params: SamplingParams
+    ) -> int:
+        """Queue a generate call; returns its id for `result` (the engine runs it between syncs' messages)."""
+        request = self._send(lambda r: Generate(r, list(prompts), params))  # type: ignore[arg-type]
+        return request
+
+    def result(self, request: int, timeout_s: float | None = None) -> Any:
+        """The reply to request `request` (a generate call's samples, prompt-major), waiting for it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while request not in self._replies:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise EngineProcessError(
+                    f"{self.name} did not answer request {request} within {timeout_s:g} s"
+                )
+            reply = self._receive(f"answering request {request}", left)
+            if isinstance(reply, Reply):
+                self._replies[reply.request] = reply
+        reply = self._replies.pop(request)
+        if reply.error is not None:
+            raise EngineProcessError(f"{self.name}: {reply.error}")
+        return reply.value
+
+    def generate(
+        self, prompts: Sequence[Sample] | Sequence[list[int]] | Sequence[str], params: SamplingParams
+    ) -> list[Sample]:
+        """`Engine.generate` in the engine process: `len(prompts) * params.n` samples, prompt-major."""
+        return self.result(self.submit(prompts, params))
+
+    def call(self, method: str, *args: Any) -> Any:
+        """One of `HOST_CALLS` in the engine process, waiting for its value."""
+        return self.result(self._send(lambda r: Call(r, method, args)))
+
+    @property
+    def weight_version(self) -> int:
+        return int(self.call("weight_version"))
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        return self.call("metrics", reset)
+
+    def export_weights(self, path: str | Path) -> None:
+        """Write the engine's parameters (its own names) to a safetensors file (tests, debugging)."""
+        self.call("export_weights", str(path))
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine process (its sync transport should be closed first: `sender.close()`)."""
+        if self.process is None:
+            return
+        try:
+            if self._commands is not None and self.process.is_alive():
+                self._commands.send(Stop())
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            log.warning("%s did not stop within %g s; terminating it", self.name, timeout_s)
+            self.process.terminate()
+            self.process.join(5)
+        for conn in (self._commands, self.sync_channel.conn if self.sync_channel is not None else None):
+            if conn is not None:
+                conn.close()
+        self.process = None
+
+    # internals -------------------------------------------------------------------------------------
+    def _send(self, make: Any) -> int:
+        if self._commands is None or not self.alive:
+            raise EngineProcessError(f"{self.name} is not running; start() it (or check why it ended)")
+        request = self._next_request
+        self._next_request += 1
+        self._commands.send(make(request))
+        return request
+
+    def _receive(self, waiting_for: str, timeout_s: float | None) -> object:
+        """The next message on the command pipe, checking every second that the process is alive."""
+        assert self._commands is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0:
+                raise EngineProcessError(
+                    f"{self.name} did not answer within {timeout_s:g} s while {waiting_for}"
+                )
+            if self._commands.poll(left):
+                try:
+                    return self._commands.recv()
+                except EOFError:
+                    pass  # ended: reported below
+            if not self.process.is_alive():
+                raise EngineProcessError(
+                    f"{self.name} (pid {self.process.pid}) ended with exit code {self.process.exitcode} while "
+                    f"{waiting_for}; its error is in its log above"
+                )
+
+
+# the engine process ---------------------------------------------------------------------------------------
+def serve(spec: EngineSpec, name: str, commands: Connection, sync: Connection, timeout_s: float) -> None:
+    """The engine process's main loop: build the engine, then serve commands and syncs until Stop."""
+    logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    engine = spec.build()
+    if engine.device.type == "cuda":
+        torch.cuda.set_device(engine.device)  # the sync's copies and events use the current device's stream
+    target = EngineSyncTarget(engine, Channel(sync, "the trainer", timeout_s), name)
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    commands.send(Started(os.getpid(), engine.weight_version, dtype, str(engine.device)))
+    host = _Host(engine, commands)
+    while True:
+        busy = engine.has_unfinished and not host.stalled
+        ready = wait([commands, sync], timeout=0 if busy else None)
+        if sync in ready:
+            host.stalled = False
+            try:
+                target.serve_pending()
+            except EOFError:
+                return  # the trainer is gone
+            except Exception as err:  # reported to the trainer already; the engine keeps serving
+                log.error("weight sync failed: %s", err)
+        if commands in ready:
+            host.stalled = False
+            try:
+                message = commands.recv()
+            except EOFError:
+                return
+            if isinstance(message, Stop):
+                return
+            host.handle(message)
+        if engine.has_unfinished and not host.stalled:
+            host.step()
+        host.reply_finished()
+
+
+HOST_CALLS = (
+    "weight_version",
+    "metrics",
+    "export_weights",
+    "flush_cache",
+    "state_dict",
+    "load_state_dict",
+    "release_memory",
+    "resume_memory",
+)
+
+
+class _Host:
+    """The command side of the engine process: requests in flight and their replies."""
+
+    def __init__(self, engine: Engine, commands: Connection) -> None:
+        self.engine, self.commands = engine, commands
+        self.pending: dict[int, list[int]] = {}
+        """Generate call -> its engine request ids, prompt-major."""
+        self.done: dict[int, dict[int, Sample]] = {}
+        self.stalled = False
+        """The engine cannot step (a failed sync left its weights half-updated) until the next message."""
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, Generate):
+            try:
+                self.pending[message.request] = self._enqueue(message.prompts, message.params)
+                self.done[message.request] = {}
+            except Exception as err:
+                self.commands.send(Reply(message.request, error=f"{type(err).__name__}: {err}"))
+        elif isinstance(message, Call):
+            try:
+                self.commands.send(Reply(message.request, self._call(message.method, message.args)))
+            except Exception as err:
+                self.commands.send(Reply(message.request, error=f"{type(err).__name__}: {err}"))
+        else:
+            log.warning("ignored an unknown command %s", type(message).__name__)
+
+    def _enqueue(self, prompts: list, params: SamplingParams) -> list[int]:
+        """Each prompt's `params.n` requests, as `Engine.generate` queues them (a Sample keeps its group)."""
+        rids = []
+        for position, prompt in enumerate(prompts):
+            source = prompt if isinstance(prompt, Sample) else None
+            ids = prompt_ids(self.engine, prompt)
+            group = source.group_id if source is not None else position
+            text = prompt if isinstance(prompt, str) else None
+            for index in range(params.n):
+                rids.append(
+                    self.engine.add_request(
+                        ids, params, group_id=group, index=index, source=source, prompt_text=text
+                    )
+                )
+        return rids
+
+    def _call(self, method: str, args: tuple) -> Any:
+        if method not in HOST_CALLS:
+            raise ValueError(f"unknown engine call {method!r}; one of {', '.join(HOST_CALLS)}")
+        if method == "weight_version":
+            return self.engine.weight_version
+        if method == "export_weights":
+            from safetensors.torch import save_file
+
+            named = {n: p.detach().cpu().contiguous() for n, p in self.engine.model.named_parameters()}
+            save_file(named, args[0])
+            return None
+        return getattr(self.engine, method)(*args)
+
+    def step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as err:  # e.g. the weights are half-updated after a failed sync
+            what = f"{type(err).__name__}: {err}"
+            log.error("engine step failed: %s", what)
+            for request in list(self.pending):
+                self.commands.send(Reply(request, error=f"the engine failed: {what}"))
+                for rid in self.pending.pop(request):
+                    self.engine.abort(rid)
+                self.done.pop(request, None)
+            self.stalled = True
+
+    def reply_finished(self) -> None:
+        for request, rids in list(self.pending.items()):
+            done = self.done[request]
+            for rid in rids:
+                if rid not in done:
+                    sample = self.engine.take_result(rid)
+                    if sample is not None:
+                        done[rid] = sample
+            if len(done) == len(rids):
+                self.commands.send(Reply(request, [done[rid] for rid in rids]))
+                del self.pending[request], self.done[request]
+
+
+def prompt_ids(engine: Engine, prompt: Sample | list[int] | str) -> list[int]:
+    """A prompt's token ids as `Engine.generate` reads them: a Sample's `prompt_ids`, else its text or chat
+    messages through the engine's tokenizer."""
+    if isinstance(prompt, Sample):
+        if prompt.prompt_ids:
+            return [int(t) for t in prompt.prompt_ids]
+        prompt = prompt.prompt  # type: ignore[assignment]
+        if isinstance(prompt, list):
+            if engine.tokenizer is None:
+                raise ValueError("chat-message prompts need a tokenizer (or fill Sample.prompt_ids)")
+            ids = engine.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding here, 4.x a list
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids or a checkpoint with a tokenizer")
+        return [int(t) for t in engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+    return [int(t) for t in prompt]

@@ -1,0 +1,178 @@
+"""An RL run's checkpoints: what a checkpoint holds beside the model (trainer, loader, engine and draft
+state, RNG), and resuming a run from one so that it repeats the uninterrupted run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.config import MilesConfig
+from miles.data import PromptLoader
+from miles.distributed import SINGLE, DataParallel
+from miles.resume import (
+    DRAFT_DIR,
+    DRAFT_HEAD_DIR,
+    RunState,
+    config_changes,
+    restore_rng,
+    write_run_state,
+)
+from miles.tracking import Tracker, read_records, redact
+
+log = logging.getLogger("miles.rl")
+
+
+def state_writer(
+    cfg: MilesConfig,
+    step: int,
+    trainer: Any,
+    draft_trainer: Any,
+    loader: PromptLoader,
+    engine: Any,
+    wandb_run_id: str | None,
+    dp: DataParallel,
+) -> Callable[[Path], None]:
+    """What writes a checkpoint's resume state into its folder. Called on every rank: the engine states
+    and a tensor-parallel optimizer state are gathered here (collectives); rank 0 writes."""
+    engine_state = engine.state_dict()
+    if dp.enabled:  # every rank's, written by rank 0
+        engine_state = {"ranks": dp.all_gather_objects(engine_state)}
+    # With tensor parallelism the optimizer state is gathered from the TP ranks, a collective: here, by the
+    # TP group of rank 0 (the one that writes it).
+    trainer_state = trainer.state_dict() if trainer.tp.enabled and trainer.dp.rank == 0 else None
+
+    def write(folder: Path) -> None:
+        draft_state = None
+        if draft_trainer is not None:
+            draft_trainer.save_weights(folder)
+            draft_state = draft_trainer.state_dict()
+        write_run_state(
+            folder,
+            step,
+            redact(asdict(cfg)),
+            trainer_state if trainer_state is not None else trainer.state_dict(),
+            loader.state_dict(),
+            engine_state,
+            wandb_run_id,
+            draft_state,
+        )
+
+    return write
+
+
+_SCHEDULE_KEYS = (
+    "trainer.global_batch_size",
+    "trainer.epochs_per_rollout",
+    "rollout.rollout_batch_size",
+    "rollout.n_samples_per_prompt",
+)
+"""Settings that change how many optimizer steps an RL step takes, so the LR schedule's length."""
+
+
+def resume_run(
+    cfg: MilesConfig,
+    folder: Path,
+    state: RunState,
+    model: Any,
+    engine: Any,
+    trainer: Any,
+    loader: PromptLoader,
+    tracker: Tracker | None,
+    dp: DataParallel = SINGLE,
+) -> int:
+    """Load a checkpoint's weights, optimizer, schedule, loader position and RNG states into the run, and
+    the interrupted run's metrics up to it into this run's; returns the step it finished."""
+    from miles.models.checkpoint import iter_hf_tensors, load_state_into
+
+    changes = config_changes(state.config, redact(asdict(cfg)))
+    if changes:
+        log.warning(
+            "resuming %s with %d setting(s) changed, so it will not repeat the first run: %s",
+            folder,
+            len(changes),
+            "; ".join(changes[:10]),
+        )
+    max_steps = cfg.trainer.max_steps
+    with torch.no_grad():
+        load_state_into(model, iter_hf_tensors(folder), str(folder))
+    if trainer.model is not model:  # the megatron backend trains a copy of the weights
+        trainer.model.load_from(model)
+    trainer.load_state_dict(state.trainer)
+    resized = [c for c in changes if c.startswith(_SCHEDULE_KEYS)]
+    if max_steps != state.max_steps:
+        resized.append(f"trainer.max_steps: {state.max_steps} -> {max_steps}")
+    if resized:
+        # The cosine schedule ends at the run's last step from where it stands, with the steps a call now takes.
+        log.info("the LR schedule is re-sized from the current position (%s)", "; ".join(resized))
+        trainer.resize_schedule(max_steps - state.step)
+    loader.load_state_dict(state.loader)
+    engine_state = state.engine.get("ranks", [state.engine])  # one entry per rank of the saved run
+    if len(engine_state) != dp.world_size:
+        log.warning(
+            "the checkpoint holds the engine state of %d process(es) and this run has %d: unseeded requests "
+            "will not draw as they would have",
+            len(engine_state),
+            dp.world_size,
+        )
+    if dp.rank < len(engine_state) and engine_state[dp.rank]:
+        engine.load_state_dict(engine_state[dp.rank])
+    if tracker is not None:
+        tracker.carry_over(folder.parent.parent, state.step)  # checkpoints/step_N/ -> the run folder
+    restore_rng(state)
+    log.info("resumed from %s (step %d)", folder, state.step)
+    return state.step
+
+
+def resume_draft(folder: Path, state: RunState, draft_trainer: Any) -> None:
+    """Load the trained draft (model or head) and its optimizer state of a checkpoint; a checkpoint of a run
+    that did not train this kind of draft leaves the draft as the run's settings loaded it."""
+    if state.draft is None or not (folder / draft_trainer.weights_dir).is_dir():
+        log.warning(
+            "%s holds no trained draft of this kind (no %s/): the draft starts again from the run's settings",
+            folder,
+            draft_trainer.weights_dir,
+        )
+        return
+    draft_trainer.load_weights(folder)
+    draft_trainer.load_state_dict(state.draft)
+
+
+def continued_wandb_run(checkpoint: Path, state: RunState) -> str | None:
+    """The interrupted run's W&B run id, when this run can go on with it: W&B drops steps at or below a
+    run's last one, so only if the interrupted run logged nothing past the checkpoint's step (it crashed
+    before its next step finished). Otherwise the resumed run gets a W&B run of its own."""
+    if not state.wandb_run_id:
+        return None
+    records = read_records(checkpoint.parent.parent)
+    last = records[-1].get("step") if records else None
+    if last != state.step:
+        log.info(
+            "the interrupted run logged up to step %s, past the checkpoint's %d: this run gets a new W&B run",
+            last,
+            state.step,
+        )
+        return None
+    return state.wandb_run_id
+
+
+def warn_unused_draft(folder: Path) -> None:
+    """A checkpoint's trained draft that this run's settings do not draft with."""
+    if (folder / DRAFT_DIR).is_dir():
+        log.warning(
+            "%s holds a trained draft model, which this run does not use (rollout.spec_draft_train is "
+            "off); to draft with it, set rollout.spec_draft_model=%s",
+            folder,
+            folder / DRAFT_DIR,
+        )
+    elif (folder / DRAFT_HEAD_DIR).is_dir():
+        log.warning(
+            "%s holds a trained draft head, which this run does not use (rollout.spec_draft_train is "
+            "off); to draft with it, set rollout.speculative=head rollout.spec_head=%s",
+            folder,
+            folder / DRAFT_HEAD_DIR,
+        )

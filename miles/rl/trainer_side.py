@@ -1,0 +1,69 @@
+"""The trainer side of an RL step: the policy's update and, with `rollout.spec_draft_train`, the draft's
+(a draft model or head) on the same rollouts, so the draft follows the policy it drafts for."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from miles.config import MilesConfig
+from miles.distributed import DataParallel
+from miles.sample import Sample
+
+
+class TrainerSide:
+    def __init__(self, trainer: Any, draft_trainer: Any = None, head: Any = None) -> None:
+        self.trainer, self.draft_trainer, self.head = trainer, draft_trainer, head
+
+    @classmethod
+    def build(cls, cfg: MilesConfig, model: Any, trainer: Any, dp: DataParallel) -> tuple[TrainerSide, dict]:
+        """The trainer side of `cfg`, and the draft the engine drafts with (`draft_model=` or `draft_head=`,
+        the very module the draft trainer updates)."""
+        if not cfg.rollout.spec_draft_train:
+            return cls(trainer), {}
+        if cfg.rollout.speculative == "head":
+            from miles.rollout.spec.head import load_head
+            from miles.trainer.draft_head_trainer import DraftHeadTrainer
+
+            head = load_head(model, cfg.rollout)
+            dp.broadcast_module(head)
+            return cls(trainer, DraftHeadTrainer(head, model, cfg.trainer, cfg.rollout, dp), head), {
+                "draft_head": head
+            }
+        from miles.rollout.spec.draft_model import load_draft_model
+        from miles.trainer.draft_trainer import DraftTrainer
+
+        draft = load_draft_model(model, cfg.rollout)
+        dp.broadcast_module(draft)
+        draft_trainer = DraftTrainer(
+            draft, model.args.vocab_size, cfg.trainer, cfg.rollout, cfg.algorithm, dp
+        )
+        return cls(trainer, draft_trainer), {"draft_model": draft}
+
+    def memory_reserve_bytes(self) -> int:
+        """What the first update needs beside the engine's KV pool (colocated on one device)."""
+        reserve = self.trainer.memory_reserve_bytes()
+        if self.draft_trainer is not None:
+            reserve += self.draft_trainer.memory_reserve_bytes()
+        return reserve
+
+    def train(
+        self, rollouts: list[Sample], samples: list[Sample], update: bool, timings: dict[str, float]
+    ) -> dict[str, float]:
+        """The policy's update on `samples` (when `update`: every rank steps, with or without samples of
+        its own) and the draft's on all of this rank's `rollouts` (`time/draft_train`)."""
+        metrics: dict[str, float] = {}
+        if self.head is not None:  # from the hidden states of the policy that drew the samples
+            self._train_draft(rollouts, metrics, timings)
+        if update:
+            metrics.update(self.trainer.train_step(samples))
+        if self.draft_trainer is not None and self.head is None:
+            self._train_draft(rollouts, metrics, timings)
+        return metrics
+
+    def _train_draft(
+        self, rollouts: list[Sample], metrics: dict[str, float], timings: dict[str, float]
+    ) -> None:
+        began = time.perf_counter()
+        metrics.update(self.draft_trainer.train_step(rollouts))
+        timings["time/draft_train"] = time.perf_counter() - began

@@ -1,0 +1,43 @@
+"""`miles bench train`: one JSON line and a table per backend, the backends agreeing on the first update."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from miles.bench import train as bench_train
+
+
+def _run(capsys, *args: str) -> dict:
+    argv = ["--model", "tiny", "--samples", "4", "--prompt-len", "6", "--response-len", "5", "--steps", "1"]
+    assert bench_train.main([*argv, *args]) == 0
+    out = capsys.readouterr().out
+    assert "| backend | s / update |" in out
+    return json.loads(out.splitlines()[0])
+
+
+def test_both_backends_report_the_same_first_update(capsys) -> None:
+    report = _run(capsys, "--arch", "qwen3_moe", "--precision", "fp32", "--device", "cpu")
+    assert [r["backend"] for r in report["results"]] == ["torch", "megatron"]
+    torch_run, megatron_run = report["results"]
+    for r in report["results"]:
+        assert r["seconds_per_update"] > 0 and r["tokens_per_s"] > 0
+        assert r["mfu"] is None and r["peak_memory_bytes"] is None  # CPU: no peak FLOP/s, no device memory
+    assert megatron_run["first_loss"] == pytest.approx(torch_run["first_loss"], rel=1e-4, abs=1e-9)
+    assert megatron_run["first_grad_norm"] == pytest.approx(torch_run["first_grad_norm"], rel=1e-4)
+
+
+def test_an_unknown_backend_is_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown --backend"):
+        bench_train.main(["--model", "tiny", "--arch", "qwen3", "--backend", "deepspeed"])
+
+
+@pytest.mark.gpu
+def test_profile_lists_the_costliest_kernels_on_cuda(capsys) -> None:
+    assert torch.cuda.is_available()
+    report = _run(capsys, "--arch", "qwen3", "--backend", "torch", "--profile", "3")
+    kernels = report["results"][0]["top_kernels"]
+    assert kernels["device_ms"] > 0 and len(kernels["kernels"]) == 3
+    assert kernels["kernels"][0]["ms"] >= kernels["kernels"][-1]["ms"]
