@@ -33,21 +33,21 @@ def run_from_hydra(cfg: DictConfig) -> None:
     try:
         held = run_dir_lock(run_dir)
     except MilesUserError as e:
-        print(f"miles train: error: {e}", file=sys.stderr)
+        print(f"miles train: error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
     try:
         validate(config)
     except MilesUserError as e:
         unlock(held)
         _remove_if_only_hydra(run_dir)
-        print(f"miles train: error: {e}", file=sys.stderr)
+        print(f"miles train: error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
     print(f"miles train: run folder {run_dir}", flush=True)
     try:
         run(config, run_dir, resolved_yaml=OmegaConf.to_yaml(cfg, resolve=True))
     except MilesUserError as e:
         log.error("the run stopped: %s", e)
-        print(f"miles train: error: {e}", file=sys.stderr)
+        print(f"miles train: error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
         log.error("the run was interrupted (run folder %s)%s", run_dir, f": {e}" if str(e) else "")

@@ -180,3 +180,31 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_to_resume(tmp_path: Path)
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == [f"step_{last:06d}"]
     assert not (run_dir / LOCK).exists()
+
+
+def test_a_failing_run_prints_no_secret_and_no_hydra_banner(tmp_path: Path) -> None:
+    """An error that quotes an override (here a resume URL with credentials) is masked, and Hydra's failure
+    banner, which lists every override verbatim, never prints."""
+    secret = "hunter2-Zq8xV3mT9pLw"
+    out = run_miles(
+        tmp_path, *SHORT, "trainer.max_steps=1", f"trainer.resume_from=https://me:{secret}@example.org/x"
+    )
+    assert out.returncode == 2
+    assert secret not in out.stdout + out.stderr
+    assert (
+        secret not in (tmp_path / "run" / "run.log").read_text()
+        if (tmp_path / "run" / "run.log").exists()
+        else True
+    )
+    assert "Error executing job" not in out.stdout + out.stderr
+
+
+def test_a_save_removes_what_a_cut_short_save_left(tmp_path: Path) -> None:
+    from miles.resume import save_checkpoint
+    from tests.support.models import tiny_model
+
+    partial = tmp_path / "checkpoints" / ".step_000001.tmp-abc123"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"half")
+    save_checkpoint(tiny_model(), None, tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
