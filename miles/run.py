@@ -12,7 +12,9 @@ from miles import distributed
 from miles.config import MilesConfig
 from miles.config.validate import validate
 from miles.errors import MilesUserError
+from miles.placement.ray.parts import build_ray_parts
 from miles.rl import run_rl
+from miles.rl.parts import build_parts
 from miles.run_dir import lock as run_dir_lock
 from miles.run_dir import unlock
 from miles.sft.loop import run_sft
@@ -66,7 +68,8 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
     if not config.trainer.resume_from:  # before config.yaml is written over that run's (a resume: the loop)
         check_new_run_dir(run_dir)
     resolved_yaml = resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(config))
-    if distributed.needs_launch(config.placement.num_processes):
+    embedded = config.placement.mode == "embedded"  # ray: this process drives actors, launched by Ray
+    if embedded and distributed.needs_launch(config.placement.num_processes):
         distributed.check_devices(config.placement.num_processes, config.model.device)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(redact_yaml(resolved_yaml))
@@ -77,7 +80,9 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
             )
         records = read_records(run_dir)
         return records[-1] if records else {}
-    dp = distributed.init_data_parallel(config.placement.num_processes, config.model.device)
+    dp = distributed.init_data_parallel(
+        config.placement.num_processes if embedded else 1, config.model.device
+    )
     finished = False
     try:
         if dp.enabled:
@@ -93,7 +98,7 @@ def run(config: MilesConfig, run_dir: Path, resolved_yaml: str | None = None) ->
         if config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft":
             result = run_sft(config, run_dir, dp)
         else:
-            result = run_rl(config, run_dir, dp)
+            result = run_rl(config, run_dir, dp, build_parts if embedded else build_ray_parts)
         finished = True
         return result
     finally:

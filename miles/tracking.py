@@ -236,6 +236,9 @@ class Tracker:
         for sample in samples[: self.cfg.samples_per_step]:
             row = {
                 "step": step,
+                "group_id": sample.group_id,
+                "index": sample.index,
+                "weight_version": sample.weight_version,
                 "prompt": sample.prompt,
                 "response": sample.response_text,
                 "reward": sample.reward,

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import torch.multiprocessing  # noqa: F401  (registers the picklers that send shared tensors as handles)
 
-from miles.weight_sync.protocol import Failed, SyncError, SyncRefused, SyncTimeout
+from miles.weight_sync.protocol import ChannelClosed, Failed, SyncError, SyncRefused, SyncTimeout
 
 M = TypeVar("M")
 
@@ -23,7 +23,7 @@ class Channel:
         try:
             self.conn.send(message)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as err:
-            raise SyncError(f"{self.peer} closed the channel (did its process end?): {err}") from err
+            raise ChannelClosed(f"{self.peer} closed the channel (did its process end?): {err}") from err
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         return self.conn.poll(timeout_s)
@@ -36,7 +36,7 @@ class Channel:
         try:
             ready = self.conn.poll(None if timeout == float("inf") else timeout)
         except (EOFError, OSError) as err:
-            raise SyncError(
+            raise ChannelClosed(
                 f"{self.peer} closed the channel (did its process end?) while {waiting_for}"
             ) from err
         if not ready:
@@ -47,7 +47,7 @@ class Channel:
         try:
             return self.conn.recv()
         except (EOFError, OSError) as err:
-            raise SyncError(
+            raise ChannelClosed(
                 f"{self.peer} closed the channel (did its process end?) while {waiting_for}"
             ) from err
 

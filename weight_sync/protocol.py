@@ -48,6 +48,10 @@ class SyncRefused(SyncError):
     """The engine refused the sync (a weight version going backwards): nothing was loaded."""
 
 
+class ChannelClosed(SyncError):
+    """The other side closed the control channel (its process ended, or it closed its transport)."""
+
+
 class SyncTimeout(SyncError, TimeoutError):
     """One side stopped answering within `weight_sync.timeout_s`; the message names it."""
 

@@ -240,6 +240,10 @@ class TrainerConfig:
     """Stop the run after this many consecutive steps that could not learn: every sample's reward errored, or
     no update was taken (no usable sample, or every optimizer step skipped for a non-finite gradient). 0: warn
     at each such step and go on."""
+    async_rollout: str = "off"
+    """off | one_step: the next step's rollout runs while this step's update does (on the weights one update
+    older: each sample's `weight_version` says which; `train/staleness_*`), the engines synced after both.
+    Needs engines of their own (placement.mode=ray, or placement.engine_process) and algorithm.tis."""
     routing_replay: bool = False
     """MoE: route each token through the experts the engine chose at rollout (needs rollout.record_routing)."""
     peak_flops: float = 0.0
@@ -323,10 +327,22 @@ class PlacementConfig:
     """Data-parallel processes of the embedded placement, one device each (`cuda:<local rank>`, or CPU):
     each generates its share of the batch's groups and the gradients are summed across them. `miles train`
     starts them itself; under torchrun leave it at 1 (the launcher's WORLD_SIZE decides)."""
-    num_gpus: int = 1
-    """GPUs used by the ray placement."""
+    num_engines: int = 0
+    """ray: engine actors behind the router (0: one per trainer rank). Colocated: one per trainer rank."""
     colocate: bool = True
-    """ray: trainer and engine share GPUs."""
+    """ray: each engine actor shares its trainer rank's device (synced by cuda_ipc / shm from that rank);
+    false: engines on devices of their own, synced by broadcast from trainer rank 0."""
+    ray_address: str = ""
+    """ray: the cluster to join (`auto`, or host:port of `ray start --head`); empty joins RAY_ADDRESS's
+    cluster if set, else starts a local one."""
+    cpus_per_actor: float = 1.0
+    """ray: CPUs each trainer rank and each engine actor reserves (a local cluster gets at least what the
+    run reserves, so the default fits a laptop)."""
+    engine_hang_s: float = 120.0
+    """ray: an engine busy with requests that makes no step for this long is hung: it is killed, restarted
+    with the current weights and its requests resubmitted."""
+    max_engine_restarts: int = 3
+    """ray: engine restarts one generate call may make before the step fails."""
     cpu_threads: int = 1
     """torch intra-op threads on CPU (tiny models run fastest on 1; 0 keeps torch's default)."""
     engine_process: bool = False

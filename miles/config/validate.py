@@ -23,6 +23,7 @@ def validate(config: MilesConfig) -> None:
     """Refuse a config the run would fail on later (after the models loaded, or mid-run)."""
     check_placement(config)
     check_engine_process(config)
+    check_async(config)
     check_ranges(config)
     check_algorithm(config)
     try:
@@ -41,11 +42,13 @@ def validate(config: MilesConfig) -> None:
 def check_placement(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
     check_backend(config.trainer.backend)
-    if config.placement.mode != "embedded":
+    if config.placement.mode not in ("embedded", "ray"):
         raise MilesUserError(
-            f"placement.mode={config.placement.mode} is not available yet; use placement.mode=embedded "
-            "(with placement.num_processes=N for N data-parallel processes)"
+            f"placement.mode={config.placement.mode}: use embedded (one process, or placement.num_processes=N "
+            "of them) or ray (trainer ranks and engines as Ray actors)"
         )
+    if config.placement.mode == "ray":
+        check_ray(config)
     if config.placement.num_processes < 1:
         raise MilesUserError(
             f"placement.num_processes must be at least 1, got {config.placement.num_processes}"
@@ -116,6 +119,8 @@ def check_engine_process(config: MilesConfig) -> None:
     transport, separate = config.weight_sync.transport, config.placement.engine_process
     if transport not in TRANSPORTS:
         raise MilesUserError(f"weight_sync.transport={transport}: use one of {', '.join(TRANSPORTS)}")
+    if config.placement.mode == "ray":
+        return  # check_ray
     if not separate and transport not in ("auto", "inprocess"):
         raise MilesUserError(
             f"weight_sync.transport={transport} moves weights to an engine in another process: set "
@@ -139,6 +144,72 @@ def check_engine_process(config: MilesConfig) -> None:
         if asked:
             raise MilesUserError(
                 f"placement.engine_process=true does not support {what} yet; turn one of them off"
+            )
+
+
+def check_async(config: MilesConfig) -> None:
+    """`trainer.async_rollout=one_step` needs engines that hold weights of their own (the embedded engine
+    runs the very module the update changes) and an off-policy correction for the one-update lag."""
+    mode = config.trainer.async_rollout
+    if mode not in ("off", "one_step"):
+        raise MilesUserError(f"trainer.async_rollout={mode}: use off or one_step")
+    if mode == "off":
+        return
+    if config.placement.mode != "ray" and not config.placement.engine_process:
+        raise MilesUserError(
+            "trainer.async_rollout=one_step generates while the policy updates, so the engines need weights of "
+            "their own: use placement=ray, or placement.engine_process=true"
+        )
+    if not config.algorithm.tis:
+        raise MilesUserError(
+            "trainer.async_rollout=one_step trains on samples drawn one update earlier: it needs the off-policy "
+            "correction, algorithm.tis=true (truncated importance sampling against the rollout logprobs)"
+        )
+    if config.rollout.release_kv_during_train:
+        raise MilesUserError(
+            "trainer.async_rollout=one_step generates during the update, so the KV pool cannot be lent to it: "
+            "set rollout.release_kv_during_train=false"
+        )
+
+
+def check_ray(config: MilesConfig) -> None:
+    """`placement.mode=ray`: counts that make a layout, a transport that reaches the engines, and nothing
+    this placement cannot run yet."""
+    placement, transport = config.placement, config.weight_sync.transport
+    for key in ("num_processes", "max_engine_restarts"):
+        if getattr(placement, key) < (1 if key == "num_processes" else 0):
+            raise MilesUserError(f"placement.{key} is too small: {getattr(placement, key)}")
+    if placement.num_engines < 0 or placement.cpus_per_actor <= 0 or placement.engine_hang_s <= 0:
+        raise MilesUserError(
+            "placement.num_engines must be >= 0 and placement.cpus_per_actor, engine_hang_s > 0"
+        )
+    if placement.colocate and placement.num_engines not in (0, placement.num_processes):
+        raise MilesUserError(
+            f"placement.colocate=true puts one engine beside each trainer rank: placement.num_engines="
+            f"{placement.num_engines} must be 0 or placement.num_processes={placement.num_processes} (or set "
+            "placement.colocate=false for engines on devices of their own)"
+        )
+    if transport == "inprocess":
+        raise MilesUserError(
+            "placement.mode=ray runs the engines in actors of their own, which weight_sync.transport=inprocess "
+            "cannot reach: use auto, shm / cuda_ipc (colocated) or broadcast"
+        )
+    if not placement.colocate and transport == "cuda_ipc":
+        raise MilesUserError(
+            "weight_sync.transport=cuda_ipc needs the engine on its trainer rank's GPU: set placement.colocate="
+            "true, or use broadcast (auto) for engines on GPUs of their own"
+        )
+    unsupported = {
+        "placement.engine_process=true (the engines are actors already)": placement.engine_process,
+        "trainer.tensor_parallel_size > 1": config.trainer.tensor_parallel_size > 1,
+        "rollout.spec_draft_train": config.rollout.spec_draft_train,
+        "trainer.routing_replay": config.trainer.routing_replay,
+        "SFT (algorithm.name=sft)": config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft",
+    }
+    for what, asked in unsupported.items():
+        if asked:
+            raise MilesUserError(
+                f"placement.mode=ray does not support {what} yet; use placement.mode=embedded"
             )
 
 

@@ -35,6 +35,7 @@ from miles.config import RolloutConfig
 from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample
 from miles.weight_sync.channel import Channel
+from miles.weight_sync.protocol import ChannelClosed
 from miles.weight_sync.target import EngineSyncTarget
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class Generate:
     request: int
     prompts: list[Sample] | list[list[int]] | list[str]
     params: SamplingParams
+    multiturn: bool = False
+    """Through the engine's `rollout.generate_fn` plugin (run here, beside the engine, to the end)."""
 
 
 @dataclass
@@ -149,8 +152,16 @@ class EngineProcess:
         self.process.start()
         child_commands.close()
         child_sync.close()
-        self._commands = commands
-        self.sync_channel = Channel(sync, f"{self.name} (pid {self.process.pid})", self.timeout_s)
+        sync_channel = Channel(sync, f"{self.name} (pid {self.process.pid})", self.timeout_s)
+        return self.attach(self.process, commands, sync_channel)
+
+    def attach(
+        self, process: Any, commands: Connection, sync_channel: Channel | None = None
+    ) -> EngineProcess:
+        """Talk to an engine that `serve`s `commands` in `process`, started elsewhere (a Ray actor): anything
+        with `is_alive()`, `pid`, `exitcode`, `join(timeout)` and `terminate()`. Its sync channel, if this
+        side does not hold it, belongs to whoever sends it weights."""
+        self.process, self._commands, self.sync_channel = process, commands, sync_channel
         started = self._receive("starting", self.timeout_s)
         if not isinstance(started, Started):
             raise EngineProcessError(f"{self.name} did not start: {started}")
@@ -165,11 +176,14 @@ class EngineProcess:
 
     # requests --------------------------------------------------------------------------------------
     def submit(
-        self, prompts: Sequence[Sample] | Sequence[list[int]] | Sequence[str], params: SamplingParams
+        self,
+        prompts: Sequence[Sample] | Sequence[list[int]] | Sequence[str],
+        params: SamplingParams,
+        multiturn: bool = False,
     ) -> int:
-        """Queue a generate call; returns its id for `result` (the engine runs it between syncs' messages)."""
-        request = self._send(lambda r: Generate(r, list(prompts), params))  # type: ignore[arg-type]
-        return request
+        """Queue a generate call; returns its id for `result` (the engine runs it between syncs' messages).
+        `multiturn`: through the spec's `rollout.generate_fn`, whose sessions stay on this engine."""
+        return self._send(lambda r: Generate(r, list(prompts), params, multiturn))  # type: ignore[arg-type]
 
     def result(self, request: int, timeout_s: float | None = None) -> Any:
         """The reply to request `request` (a generate call's samples, prompt-major), waiting for it."""
@@ -251,11 +265,11 @@ class EngineProcess:
                 raise EngineProcessError(
                     f"{self.name} did not answer within {timeout_s:g} s while {waiting_for}"
                 )
-            if self._commands.poll(left):
-                try:
+            try:
+                if self._commands.poll(left):
                     return self._commands.recv()
-                except EOFError:
-                    pass  # ended: reported below
+            except (EOFError, OSError):
+                pass  # ended: reported below (a socket to a killed actor resets)
             if not self.process.is_alive():
                 raise EngineProcessError(
                     f"{self.name} (pid {self.process.pid}) ended with exit code {self.process.exitcode} while "
@@ -264,7 +278,30 @@ class EngineProcess:
 
 
 # the engine process ---------------------------------------------------------------------------------------
-def serve(spec: EngineSpec, name: str, commands: Connection, sync: Connection, timeout_s: float) -> None:
+@dataclass
+class Heartbeat:
+    """The serve loop's pulse, for a health check in the same process (a Ray actor's): when it last came
+    round, and whether requests were waiting then (an idle engine blocks on its pipes, and is not hung)."""
+
+    last: float = field(default_factory=time.monotonic)
+    busy: bool = False
+
+    def beat(self, busy: bool) -> None:
+        self.last, self.busy = time.monotonic(), busy
+
+    def stalled_for(self) -> float:
+        """Seconds the loop has been stuck with requests waiting (0 when idle or moving)."""
+        return time.monotonic() - self.last if self.busy else 0.0
+
+
+def serve(
+    spec: EngineSpec,
+    name: str,
+    commands: Connection,
+    sync: Connection,
+    timeout_s: float,
+    heartbeat: Heartbeat | None = None,
+) -> None:
     """The engine process's main loop: build the engine, then serve commands and syncs until Stop."""
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
     if spec.num_threads is not None:
@@ -275,15 +312,17 @@ def serve(spec: EngineSpec, name: str, commands: Connection, sync: Connection, t
     target = EngineSyncTarget(engine, Channel(sync, "the trainer", timeout_s), name)
     dtype = str(engine.model.dtype).removeprefix("torch.")
     commands.send(Started(os.getpid(), engine.weight_version, dtype, str(engine.device)))
-    host = _Host(engine, commands)
+    host = _Host(engine, commands, _multiturn(engine, spec.rollout, heartbeat))
     while True:
         busy = engine.has_unfinished and not host.stalled
+        if heartbeat is not None:
+            heartbeat.beat(busy)
         ready = wait([commands, sync], timeout=0 if busy else None)
         if sync in ready:
             host.stalled = False
             try:
                 target.serve_pending()
-            except EOFError:
+            except (EOFError, ChannelClosed):
                 return  # the trainer is gone
             except Exception as err:  # reported to the trainer already; the engine keeps serving
                 log.error("weight sync failed: %s", err)
@@ -316,8 +355,8 @@ HOST_CALLS = (
 class _Host:
     """The command side of the engine process: requests in flight and their replies."""
 
-    def __init__(self, engine: Engine, commands: Connection) -> None:
-        self.engine, self.commands = engine, commands
+    def __init__(self, engine: Engine, commands: Connection, multiturn: Any = None) -> None:
+        self.engine, self.commands, self.multiturn = engine, commands, multiturn
         self.pending: dict[int, list[int]] = {}
         """Generate call -> its engine request ids, prompt-major."""
         self.done: dict[int, dict[int, Sample]] = {}
@@ -325,7 +364,9 @@ class _Host:
         """The engine cannot step (a failed sync left its weights half-updated) until the next message."""
 
     def handle(self, message: object) -> None:
-        if isinstance(message, Generate):
+        if isinstance(message, Generate) and message.multiturn:
+            self._generate_multiturn(message)
+        elif isinstance(message, Generate):
             try:
                 self.pending[message.request] = self._enqueue(message.prompts, message.params)
                 self.done[message.request] = {}
@@ -355,9 +396,22 @@ class _Host:
                 )
         return rids
 
+    def _generate_multiturn(self, message: Generate) -> None:
+        """The whole call at once: the plugin's sessions step the engine themselves (a sync waits for it)."""
+        try:
+            if self.multiturn is None:
+                raise ValueError("this engine has no rollout.generate_fn to run multi-turn calls with")
+            samples = self.multiturn.generate(list(message.prompts), message.params)
+        except Exception as err:
+            self.commands.send(Reply(message.request, error=f"{type(err).__name__}: {err}"))
+            return
+        self.commands.send(Reply(message.request, samples))
+
     def _call(self, method: str, args: tuple) -> Any:
         if method not in HOST_CALLS:
             raise ValueError(f"unknown engine call {method!r}; one of {', '.join(HOST_CALLS)}")
+        if method == "metrics" and self.multiturn is not None:
+            return {**self.engine.metrics(*args), **self.multiturn.metrics()}
         if method == "weight_version":
             return self.engine.weight_version
         if method == "export_weights":
@@ -392,6 +446,21 @@ class _Host:
             if len(done) == len(rids):
                 self.commands.send(Reply(request, [done[rid] for rid in rids]))
                 del self.pending[request], self.done[request]
+
+
+def _multiturn(engine: Engine, rollout: RolloutConfig, heartbeat: Heartbeat | None) -> Any:
+    """The engine's `rollout.generate_fn` plugin driver, if it has one (it steps the engine itself, so it
+    beats the serve loop's heartbeat)."""
+    if not rollout.generate_fn:
+        return None
+    from miles import plugins
+    from miles.rollout import MultiTurnRollout
+
+    fn = plugins.load(plugins.normalize(rollout.generate_fn, "rollout.generate_fn"), "rollout.generate_fn")
+    multiturn = MultiTurnRollout(engine, fn, rollout.generate_timeout_s)
+    if heartbeat is not None:
+        multiturn.on_step = lambda: heartbeat.beat(True)
+    return multiturn
 
 
 def prompt_ids(engine: Engine, prompt: Sample | list[int] | str) -> list[int]:

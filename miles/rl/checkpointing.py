@@ -32,7 +32,7 @@ def state_writer(
     step: int,
     trainer: Any,
     draft_trainer: Any,
-    loader: PromptLoader,
+    loader_state: dict[str, Any],
     engine: Any,
     wandb_run_id: str | None,
     dp: DataParallel,
@@ -56,7 +56,7 @@ def state_writer(
             step,
             redact(asdict(cfg)),
             trainer_state if trainer_state is not None else trainer.state_dict(),
-            loader.state_dict(),
+            loader_state,
             engine_state,
             wandb_run_id,
             draft_state,
@@ -74,6 +74,28 @@ _SCHEDULE_KEYS = (
 """Settings that change how many optimizer steps an RL step takes, so the LR schedule's length."""
 
 
+def schedule_resize(cfg: MilesConfig, folder: Path, state: RunState) -> int | None:
+    """Warns of the settings a resume changes; the steps the LR schedule must be re-sized to from where it
+    stands when one changes its length (None: it stands as saved)."""
+    changes = config_changes(state.config, redact(asdict(cfg)))
+    if changes:
+        log.warning(
+            "resuming %s with %d setting(s) changed, so it will not repeat the first run: %s",
+            folder,
+            len(changes),
+            "; ".join(changes[:10]),
+        )
+    max_steps = cfg.trainer.max_steps
+    resized = [c for c in changes if c.startswith(_SCHEDULE_KEYS)]
+    if max_steps != state.max_steps:
+        resized.append(f"trainer.max_steps: {state.max_steps} -> {max_steps}")
+    if not resized:
+        return None
+    # The cosine schedule ends at the run's last step from where it stands, with the steps a call now takes.
+    log.info("the LR schedule is re-sized from the current position (%s)", "; ".join(resized))
+    return max_steps - state.step
+
+
 def resume_run(
     cfg: MilesConfig,
     folder: Path,
@@ -89,27 +111,14 @@ def resume_run(
     the interrupted run's metrics up to it into this run's; returns the step it finished."""
     from miles.models.checkpoint import iter_hf_tensors, load_state_into
 
-    changes = config_changes(state.config, redact(asdict(cfg)))
-    if changes:
-        log.warning(
-            "resuming %s with %d setting(s) changed, so it will not repeat the first run: %s",
-            folder,
-            len(changes),
-            "; ".join(changes[:10]),
-        )
-    max_steps = cfg.trainer.max_steps
+    resize_to = schedule_resize(cfg, folder, state)
     with torch.no_grad():
         load_state_into(model, iter_hf_tensors(folder), str(folder))
     if trainer.model is not model:  # the megatron backend trains a copy of the weights
         trainer.model.load_from(model)
     trainer.load_state_dict(state.trainer)
-    resized = [c for c in changes if c.startswith(_SCHEDULE_KEYS)]
-    if max_steps != state.max_steps:
-        resized.append(f"trainer.max_steps: {state.max_steps} -> {max_steps}")
-    if resized:
-        # The cosine schedule ends at the run's last step from where it stands, with the steps a call now takes.
-        log.info("the LR schedule is re-sized from the current position (%s)", "; ".join(resized))
-        trainer.resize_schedule(max_steps - state.step)
+    if resize_to is not None:
+        trainer.resize_schedule(resize_to)
     loader.load_state_dict(state.loader)
     engine_state = state.engine.get("ranks", [state.engine])  # one entry per rank of the saved run
     if len(engine_state) != dp.world_size:

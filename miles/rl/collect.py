@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from miles.config import MilesConfig
@@ -48,8 +49,47 @@ class Collector:
         self.batch_size, self.max_new_tokens = cfg.rollout.rollout_batch_size, cfg.rollout.max_new_tokens
         self.seed, self.max_batches = cfg.rollout.seed, cfg.algorithm.filter_max_batches
         self.warned_short = False
+        self.one_step_ahead = cfg.trainer.async_rollout == "one_step"
+        self._ahead: tuple[int, Future[Collected]] | None = None
+        self._loader_before_ahead: dict | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def collect(self, step: int) -> Collected:
+        """Step `step`'s samples: those collected ahead for it, or drawn now."""
+        if self._ahead is not None:
+            ahead_step, future = self._ahead
+            self._ahead, self._loader_before_ahead = None, None
+            assert ahead_step == step, (ahead_step, step)
+            return future.result()
+        return self._collect(step)
+
+    def collect_ahead(self, step: int, last_step: int) -> None:
+        """With `trainer.async_rollout=one_step`, start collecting `step` (on the engines' current weights)
+        while the caller trains the step before it; a no-op past `last_step` or when not asynchronous."""
+        if not self.one_step_ahead or step > last_step:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="miles-collect-ahead")
+        self._loader_before_ahead = self.loader.state_dict()
+        self._ahead = (step, self._pool.submit(self._collect, step))
+
+    def wait_ahead(self) -> None:
+        """Until the collect started ahead has finished (the engines are idle: the sync may land)."""
+        if self._ahead is not None:
+            self._ahead[1].exception()  # raised where it is taken, by `collect`
+
+    def loader_state(self) -> dict:
+        """The loader's position for a checkpoint: before the prompts a collect ahead drew (a resume draws
+        them again, for the step that follows the checkpoint's)."""
+        return (
+            self._loader_before_ahead if self._loader_before_ahead is not None else self.loader.state_dict()
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _collect(self, step: int) -> Collected:
         out = Collected(own_metrics={"time/rollout": 0.0, "time/reward": 0.0})
         reward_rounds: list[tuple[dict[str, float], float]] = []
         step_seed = self.seed * 1_000_003 + step

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from miles.config import MilesConfig
 from miles.distributed import SINGLE, DataParallel, reduce_metrics
 from miles.errors import MilesUserError
-from miles.resume import save_checkpoint
-from miles.rl.checkpointing import resume_draft, resume_run, state_writer, warn_unused_draft
 from miles.rl.collect import Collected
 from miles.rl.guards import FailedStepGuard, StopRequest
 from miles.rl.parts import RLParts, build_parts
@@ -28,8 +27,15 @@ log = logging.getLogger("miles.rl")
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "train/loss", "time/step")
 
 
-def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[str, float]:
-    run = build_parts(cfg, run_dir, dp)
+def run_rl(
+    cfg: MilesConfig,
+    run_dir: Path,
+    dp: DataParallel = SINGLE,
+    build: Callable[[MilesConfig, Path, DataParallel], RLParts] = build_parts,
+) -> dict[str, float]:
+    """`build`: the placement's parts (`placement=ray`: miles.placement.ray.parts.build_ray_parts); the
+    loop is the same whatever runs where."""
+    run = build(cfg, run_dir, dp)
     last: dict[str, float] = {}
     failed_steps, stop = FailedStepGuard(cfg.trainer.stop_after_failed_steps), StopRequest()
     with stop.installed(dp):
@@ -40,7 +46,10 @@ def run_rl(cfg: MilesConfig, run_dir: Path, dp: DataParallel = SINGLE) -> dict[s
                 if run.busy is not None:
                     run.busy.start()
                 collected = run.collector.collect(step)
+                # trainer.async_rollout=one_step: the next step's rollout runs during this step's update.
+                run.collector.collect_ahead(step + 1, cfg.trainer.max_steps)
                 metrics = {**collected.metrics, **train(run, collected, step)}
+                run.collector.wait_ahead()
                 synced = sync_weights(run, step)
                 metrics.update(synced.checks)
                 metrics.update(evaluate_if_due(run, step))
@@ -74,16 +83,7 @@ def start(run: RLParts) -> int:
                 run.tracker.log_step(0, {**eval_metrics, **run.unreported})
             run.unreported = {}
         return 1
-    folder, state = run.resume_from.folder, run.resume_from.state
-    model = run.inputs.model
-    first_step = (
-        resume_run(cfg, folder, state, model, run.engine, run.trainer, run.loader, run.tracker, run.dp) + 1
-    )
-    if run.trainer_side.draft_trainer is not None:
-        resume_draft(folder, state, run.trainer_side.draft_trainer)
-        run.engine.draft_weights_changed()
-    else:
-        warn_unused_draft(folder)
+    first_step = run.load_checkpoint() + 1
     if first_step > cfg.trainer.max_steps:
         raise MilesUserError(
             f"the checkpoint already finished step {first_step - 1} of trainer.max_steps="
@@ -123,13 +123,7 @@ def save_if_due(run: RLParts, step: int, force: bool = False) -> None:
         return
     tracker = run.tracker
     wandb_run_id = tracker.wandb_run_id if tracker is not None and tracker.wandb_run_id else run.wandb_run_id
-    draft_trainer = run.trainer_side.draft_trainer
-    write_extra = state_writer(
-        run.cfg, step, run.trainer, draft_trainer, run.loader, run.engine, wandb_run_id, run.dp
-    )
-    if run.dp.is_main:
-        model, tokenizer = run.inputs.model, run.inputs.tokenizer
-        save_checkpoint(model, tokenizer, run.run_dir, step, write_extra, trainer_cfg.keep_last)
+    run.save_checkpoint(step, wandb_run_id)
 
 
 def log_step(

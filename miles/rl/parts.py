@@ -13,8 +13,14 @@ from miles.data import PromptLoader
 from miles.distributed import DataParallel
 from miles.errors import MilesUserError
 from miles.placement.remote_engine import RemoteEngine, start_engine_process
-from miles.resume import RunState, find_checkpoint, read_run_state
-from miles.rl.checkpointing import continued_wandb_run
+from miles.resume import RunState, find_checkpoint, read_run_state, save_checkpoint
+from miles.rl.checkpointing import (
+    continued_wandb_run,
+    resume_draft,
+    resume_run,
+    state_writer,
+    warn_unused_draft,
+)
 from miles.rl.collect import Collector
 from miles.rl.rollout_side import RolloutSide
 from miles.rl.trainer_side import TrainerSide
@@ -56,9 +62,40 @@ class RLParts:
     def engine(self) -> Any:
         return self.rollout.engine
 
+    def load_checkpoint(self) -> int:
+        """The resume point's weights, optimizer, loader, engine and RNG state into the run; its step."""
+        assert self.resume_from is not None
+        folder, state = self.resume_from.folder, self.resume_from.state
+        args = (self.inputs.model, self.engine, self.trainer, self.loader, self.tracker, self.dp)
+        step = resume_run(self.cfg, folder, state, *args)
+        if self.trainer_side.draft_trainer is not None:
+            resume_draft(folder, state, self.trainer_side.draft_trainer)
+            self.engine.draft_weights_changed()
+        else:
+            warn_unused_draft(folder)
+        return step
+
+    def save_checkpoint(self, step: int, wandb_run_id: str | None) -> None:
+        """`checkpoints/step_N/` (rank 0 writes; every rank takes part in gathering the engines' state)."""
+        draft_trainer = self.trainer_side.draft_trainer
+        write_extra = state_writer(
+            self.cfg,
+            step,
+            self.trainer,
+            draft_trainer,
+            self.collector.loader_state(),
+            self.engine,
+            wandb_run_id,
+            self.dp,
+        )
+        if self.dp.is_main:
+            model, tokenizer = self.inputs.model, self.inputs.tokenizer
+            save_checkpoint(model, tokenizer, self.run_dir, step, write_extra, self.cfg.trainer.keep_last)
+
     def close(self) -> None:
         if self.busy is not None:
             self.busy.stop()
+        self.collector.close()
         self.rollout.close()
         if isinstance(self.engine, RemoteEngine):  # its transport first: the engine process answers it
             self.sync.close()

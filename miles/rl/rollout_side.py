@@ -18,13 +18,21 @@ from miles.sample import Sample
 
 class RolloutSide:
     def __init__(
-        self, cfg: MilesConfig, engine: Any, rewards: Any, stop_token_ids: list[int], dp: DataParallel
+        self,
+        cfg: MilesConfig,
+        engine: Any,
+        rewards: Any,
+        stop_token_ids: list[int],
+        dp: DataParallel,
+        plugin_here: bool = True,
     ) -> None:
+        """`plugin_here`: a `rollout.generate_fn` plugin runs in this process, driving `engine` (False:
+        the engines run it themselves, as Ray's engine actors do)."""
         from miles.rollout import MultiTurnRollout, SamplingParams
 
         self.engine, self.rewards, self.dp = engine, rewards, dp
         self.generate, self.multiturn = engine.generate, None
-        if cfg.rollout.generate_fn:
+        if cfg.rollout.generate_fn and plugin_here:
             spec = plugins.normalize(cfg.rollout.generate_fn, "rollout.generate_fn")
             fn = plugins.load(spec, "rollout.generate_fn")
             self.multiturn = MultiTurnRollout(engine, fn, cfg.rollout.generate_timeout_s)

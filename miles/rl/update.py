@@ -43,6 +43,10 @@ def train_on(
             sample.advantage = advantages.get((sample.group_id, sample.index), 0.0)
     samples = [s for s in collected.train_own if trainable(s)]
     metrics["train/dropped_samples"] = float(len(collected.train_everyone) - len(usable))
+    if usable:  # updates between the weights a sample was drawn with and the policy it trains (async: 1)
+        staleness = [step - 1 - s.weight_version for s in usable]
+        metrics["train/staleness_mean"] = sum(staleness) / len(staleness)
+        metrics["train/staleness_max"] = float(max(staleness))
     if not usable and filtering and not collected.kept:
         log.warning(
             "step %d: algorithm.group_filter kept no group in %d batches; skipping the update",

@@ -165,6 +165,8 @@ class MultiTurnRollout:
         self._discard: set[int] = set()
         """Requests of a failed batch, aborted: their results are dropped as they come out."""
         self._loop = asyncio.new_event_loop()
+        self.on_step: Callable[[], None] | None = None
+        """Called after every engine step it drives (a health check's heartbeat)."""
 
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """`len(prompts) * params.n` samples, prompt-major (more where a plugin returns several per call)."""
@@ -241,6 +243,8 @@ class MultiTurnRollout:
                 await asyncio.sleep(0.001)  # the plugins are between turns (a tool, I/O)
                 continue
             self.engine.step()
+            if self.on_step is not None:
+                self.on_step()
             self._discard = {rid for rid in self._discard if self.engine.take_result(rid) is None}
             resolved = False
             for rid in list(self._pending):

@@ -83,7 +83,10 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["+trainer.lerning_rate=1", "--cfg", "job"], "Valid keys under trainer"),  # `+` checks keys too
         (["trainer.backend=deepspeed", "logging.wandb=false"], "trainer.backend=torch or megatron"),
         (["trainer.backend=megatron", "trainer.precision=bf16", "model.device=cpu"], "precision=fp32 on CPU"),
-        (["placement.mode=ray", "logging.wandb=false"], "placement.mode=embedded"),
+        (
+            ["placement=ray", "placement.num_engines=3", "logging.wandb=false"],
+            "must be 0 or placement.num_processes",
+        ),
         # Read by the loop only after the first rollout: checked at start instead.
         (["algorithm.advantage=grpoo", "trainer.max_steps=1"], "unknown advantage estimator 'grpoo'"),
         (["algorithm.policy_loss=ppo", "trainer.max_steps=1"], "unknown policy loss 'ppo'"),

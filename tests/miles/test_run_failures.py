@@ -91,13 +91,13 @@ def test_a_named_run_folder_held_by_a_live_run_is_refused(tmp_path: Path) -> Non
 def test_a_steps_records_are_written_before_its_checkpoint(tmp_path: Path, monkeypatch) -> None:
     """A crash while saving step 1's checkpoint keeps step 1's records: a resume from the step before never
     skips one."""
-    import miles.rl.loop as loop
+    import miles.rl.parts as parts
     from miles.run import run
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(loop, "save_checkpoint", crash)
+    monkeypatch.setattr(parts, "save_checkpoint", crash)
     cfg = _config(
         {
             "trainer": {"max_steps": 2, "save_every": 1, "eval_every": 0, "global_batch_size": 8},

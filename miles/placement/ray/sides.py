@@ -1,0 +1,155 @@
+"""The driver's handles on the trainer ranks: the trainer side of the loop (`RayTrainerSide.train`) and the
+weight sync into the engines (`RaySync.sync`), each a call on every rank actor at once."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from miles.placement.ray.cluster import Layout
+from miles.sample import Sample
+from miles.weight_sync.result import TransportSyncResult
+
+
+def shard_by_group(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Rank r trains on the groups whose id is r modulo the ranks: those the embedded placement's rank r
+    generates and trains (`DataParallel.shard` of the batch; a group's id is its place in the step)."""
+    shards: list[list[Sample]] = [[] for _ in range(world_size)]
+    for sample in samples:
+        shards[sample.group_id % world_size].append(sample)
+    return shards
+
+
+class TrainerRankFailed(RuntimeError):
+    """A trainer rank died or raised; the message names it and how to resume."""
+
+
+def gather_ranks(refs: list[Any], what: str, rank_ids: list[int] | None = None) -> list[Any]:
+    """The results of calls on trainer ranks (`rank_ids[i]` made `refs[i]`; default: rank i); the first
+    rank to fail ends the wait (the others may be blocked in a collective with it, which would only end at
+    the group's timeout)."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayError as err:
+            position = refs.index(done[0])
+            rank = rank_ids[position] if rank_ids is not None else position
+            died = isinstance(err, ray.exceptions.RayActorError)
+            # Ray's own text runs to a dozen lines: its first says what happened; the full error is chained.
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TrainerRankFailed(
+                f"trainer rank {rank} {'died' if died else 'failed'} while {what} ({first_line}). The run stops; "
+                "resume it from its last checkpoint with trainer.resume_from=auto (or the run folder)"
+            ) from err
+    return ray.get(refs)
+
+
+class RayTrainerSide:
+    """The loop's trainer side over rank actors (no draft training on this placement)."""
+
+    draft_trainer = None
+    head = None
+
+    def __init__(self, ranks: list[Any], reserve_bytes: int) -> None:
+        self.ranks, self.reserve_bytes = ranks, reserve_bytes
+
+    def memory_reserve_bytes(self) -> int:
+        return self.reserve_bytes
+
+    def train(
+        self, rollouts: list[Sample], samples: list[Sample], update: bool, timings: dict[str, float]
+    ) -> dict[str, float]:
+        """Each rank's share of `samples` (the trainer sums gradients and metrics over the ranks, so rank
+        0's metrics are the step's)."""
+        shards = shard_by_group(samples, len(self.ranks))
+        calls = [rank.train.remote(shard, update) for rank, shard in zip(self.ranks, shards)]
+        return gather_ranks(calls, "training")[0]
+
+
+class RaySync:
+    """The new weights from the trainer ranks into every engine: colocated, each rank into its own engine
+    (shm / cuda_ipc); disaggregated, rank 0 into all (broadcast). Every engine verifies what it holds."""
+
+    def __init__(self, ranks: list[Any], layout: Layout, connect_options: dict[str, Any]) -> None:
+        self.ranks, self.layout, self.options = ranks, layout, connect_options
+        self.fleet: Any = None
+        """The engines (set once they run): a sync restarts one that died."""
+
+    def connect(self, engine: int, sync_address: Any) -> Any:
+        """Start connecting trainer rank → `engine` (a Ray ref: the connection completes once the engine's
+        serve loop runs, which waits for it)."""
+        rank = self.ranks[self.layout.sender_of(engine)]
+        return rank.connect_sync.remote(engine, sync_address, **self.options)
+
+    def sync(self, version: int) -> TransportSyncResult:
+        """Every engine to `version`; an engine found dead after its sync failed is restarted (and synced
+        as part of its restart), any other failure ends the run."""
+        began = time.perf_counter()
+        senders = sorted({self.layout.sender_of(e) for e in range(self.layout.engines)})
+        calls = [self.ranks[r].sync.remote(version) for r in senders]
+        per_rank = gather_ranks(calls, "syncing weights", senders)
+        by_engine = {e: result for part in per_rank for e, result in part.items()}
+        for engine, result in sorted(by_engine.items()):
+            if not isinstance(result, str):
+                continue
+            if self.fleet is None or self.fleet.engines[engine].alive:
+                raise RuntimeError(f"the weight sync into engine-{engine} failed: {result}")
+            by_engine[engine] = self.fleet.restart(engine)
+        results = [by_engine[e] for e in sorted(by_engine)]
+        return merge_results(results, version, time.perf_counter() - began)
+
+    def sync_engine(self, engine: int) -> TransportSyncResult:
+        """The policy's current weights into one (restarted) engine. With the rollout one step ahead, the
+        update may have finished meanwhile: the engine then holds (and its samples carry) the newer version."""
+        sender = self.layout.sender_of(engine)
+        calls = [self.ranks[sender].sync.remote(None, [engine])]
+        result = gather_ranks(calls, "syncing a restarted engine", [sender])[0][engine]
+        if isinstance(result, str) or not result.checksum_ok:
+            why = result if isinstance(result, str) else result.mismatched[:5]
+            raise RuntimeError(f"restarted engine-{engine} did not take the weights: {why}")
+        return result
+
+    def close(self) -> None:
+        """Close the senders (the engines answer their Disconnect) and the ranks' group; a dead rank is
+        passed over."""
+        import ray
+
+        # A rank stuck in a collective with a dead one never answers: the caller kills the ranks after this.
+        ray.wait([rank.shutdown.remote() for rank in self.ranks], num_returns=len(self.ranks), timeout=30)
+
+
+@dataclass
+class FleetSyncResult(TransportSyncResult):
+    replicas_equal: bool = True
+    """Every sending rank's weights were rank 0's, bit for bit (colocated: each rank syncs its own replica)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "sync/replicas_equal": float(self.replicas_equal)}
+
+
+def merge_results(results: list[TransportSyncResult], version: int, seconds: float) -> FleetSyncResult:
+    """One result for the syncs into every engine: verified only if every engine's is and every sender's
+    weights agree; bytes added; the slowest engine's times."""
+    first = results[0]
+    prints = [r.fingerprints for r in results if r.fingerprints]
+    equal = all(p == prints[0] for p in prints[1:])
+    return FleetSyncResult(
+        version,
+        seconds,
+        sum(r.bytes for r in results),
+        all(r.checksum_ok for r in results) and equal,
+        [name for r in results for name in r.mismatched]
+        + ([] if equal else ["(the ranks' replicas differ)"]),
+        first.fingerprints,
+        transport=first.transport,
+        load_seconds=max(r.load_seconds for r in results),
+        verify_seconds=max(r.verify_seconds for r in results),
+        buckets=sum(r.buckets for r in results),
+        path=first.path,
+        replicas_equal=equal,
+    )
