@@ -149,6 +149,45 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost_or_repe
     assert max(r["mismatch/logprob_abs_diff_max"] for r in records) < 1e-3
 
 
+HANGS_ONCE = (
+    "import time\n"
+    "from pathlib import Path\n"
+    "from miles.rollout.multiturn.rollout import Trajectory\n"
+    "MARK = Path(__file__).with_suffix('.hung')\n"
+    "async def generate(client, sample, params):\n"
+    "    traj = Trajectory(sample)\n"
+    "    traj.add_turn(await client.generate(traj.ids, params))\n"
+    "    if sample.index == 0 and not MARK.exists():  # blocks its engine's loop: a hung engine, once\n"
+    "        MARK.write_text('hung')\n"
+    "        time.sleep(600)\n"
+    "    return traj.to_sample(client.tokenizer)\n"
+)
+
+
+def test_a_hung_engine_is_found_killed_and_its_prompts_run_again(tmp_path: Path, cluster: object) -> None:
+    from miles.run import run
+
+    plugin = tmp_path / "hangs_once.py"
+    plugin.write_text(HANGS_ONCE)
+    cfg = _config(
+        *COMMON,
+        *RAY,
+        *IN_PROCESS,
+        "trainer.max_steps=2",
+        "placement.engine_hang_s=3",
+        f"rollout.generate_fn={plugin}:generate",
+    )
+    run(cfg, tmp_path)
+    assert (tmp_path / "hangs_once.hung").exists()
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["rollout/engine_restarts"] == 1.0 and records[1]["rollout/engine_restarts"] == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert Counter((r["step"], r["group_id"], r["index"]) for r in rows) == Counter(
+        {(s, g, i): 1 for s in (1, 2) for g in range(BATCH) for i in range(N)}
+    )
+
+
 def _kill_engine_mid_rollout(run_dir: Path, killed: list[int]) -> None:
     """SIGKILL engine-1's process once it is generating in step 2 or later."""
     deadline = time.monotonic() + 300

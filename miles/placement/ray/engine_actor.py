@@ -95,7 +95,8 @@ class ActorProcess:
                 return False
             self.watch = None
         try:
-            health = ray.get(self.actor.ping.remote(), timeout=30)
+            # The ping runs on another of the actor's threads: it answers while the engine steps.
+            health = ray.get(self.actor.ping.remote(), timeout=max(5.0, min(30.0, self.hang_s)))
         except Exception as err:  # RayActorError (died), GetTimeoutError (the process no longer answers)
             self.why_dead = f"its actor is gone ({type(err).__name__})"
         else:
