@@ -139,6 +139,11 @@ class EngineSyncTarget:
             raise
         self.channel.send(Shared(self.name, message.generation))
 
+    def close(self) -> None:
+        """Drop the transport and the trainer's shared tensors (the trainer went away without Disconnect)."""
+        self._close_receiver()
+        self.channel.close()
+
     def _close_receiver(self) -> None:
         self.views = None  # first: the trainer's memory is released with them
         if self.receiver is not None:

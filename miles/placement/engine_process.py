@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -301,29 +301,42 @@ def serve(
     sync: Connection,
     timeout_s: float,
     heartbeat: Heartbeat | None = None,
+    next_sync: Callable[[], Connection | None] | None = None,
 ) -> None:
-    """The engine process's main loop: build the engine, then serve commands and syncs until Stop."""
+    """The engine process's main loop: build the engine, then serve commands and syncs until Stop. When the
+    trainer closes the sync channel the loop ends; with `next_sync` (a Ray engine actor's: the trainer rank
+    reconnects when it rebuilds its broadcast group) it serves commands on and takes the next channel that
+    `next_sync()` returns (None: none yet)."""
     logging.basicConfig(level=logging.INFO, format=f"[{name}] %(levelname)s %(name)s: %(message)s")
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     engine = spec.build()
     if engine.device.type == "cuda":
         torch.cuda.set_device(engine.device)  # the sync's copies and events use the current device's stream
+    channel: Connection | None = sync
     target = EngineSyncTarget(engine, Channel(sync, "the trainer", timeout_s), name)
     dtype = str(engine.model.dtype).removeprefix("torch.")
     commands.send(Started(os.getpid(), engine.weight_version, dtype, str(engine.device)))
     host = _Host(engine, commands, _multiturn(engine, spec.rollout, heartbeat))
     while True:
+        if channel is None and next_sync is not None and (channel := next_sync()) is not None:
+            target = EngineSyncTarget(engine, Channel(channel, "the trainer", timeout_s), name)
         busy = engine.has_unfinished and not host.stalled
         if heartbeat is not None:
             heartbeat.beat(busy)
-        ready = wait([commands, sync], timeout=0 if busy else None)
-        if sync in ready:
+        idle_wait = None if channel is not None else 0.05  # (a new sync channel wakes no wait)
+        ready = wait(
+            [commands] + ([channel] if channel is not None else []), timeout=0 if busy else idle_wait
+        )
+        if channel is not None and channel in ready:
             host.stalled = False
             try:
                 target.serve_pending()
             except (EOFError, ChannelClosed):
-                return  # the trainer is gone
+                if next_sync is None:
+                    return  # the trainer is gone
+                target.close()
+                channel = None
             except Exception as err:  # reported to the trainer already; the engine keeps serving
                 log.error("weight sync failed: %s", err)
         if commands in ready:

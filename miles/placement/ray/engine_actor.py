@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
@@ -35,6 +36,7 @@ class EngineServer:
         self._sync = Listener((bind_host(host), 0), authkey=authkey)
         self.error: str | None = None
         self._thread: threading.Thread | None = None
+        self._next_syncs: queue.Queue[Connection] = queue.Queue()
 
     def start(self, spec: EngineSpec) -> tuple[Any, Any]:
         """Build the engine from `spec` and serve it (in a thread, once the driver and the syncing trainer
@@ -59,13 +61,29 @@ class EngineServer:
         try:
             commands = self._commands.accept()  # the driver first, then the trainer rank
             sync = self._sync.accept()
-            serve(spec, self.name, commands, sync, self.timeout_s, self.heartbeat)
+            threading.Thread(target=self._accept_syncs, name=f"miles-{self.name}-sync", daemon=True).start()
+            serve(spec, self.name, commands, sync, self.timeout_s, self.heartbeat, self._next_sync)
         except BaseException as err:
             self.error = f"{type(err).__name__}: {err}"
             log.exception("%s stopped", self.name)
         finally:
             self._commands.close()
             self._sync.close()
+
+    def _accept_syncs(self) -> None:
+        """The trainer rank's later connections (it reconnects when it rebuilds its sender), queued for the
+        serve loop, which goes on serving commands meanwhile."""
+        while True:
+            try:
+                self._next_syncs.put(self._sync.accept())
+            except OSError:  # the listener closed: the engine stopped
+                return
+
+    def _next_sync(self) -> Connection | None:
+        try:
+            return self._next_syncs.get_nowait()
+        except queue.Empty:
+            return None
 
 
 class ActorProcess:

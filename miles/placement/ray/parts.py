@@ -159,34 +159,36 @@ def _build(
         reserve_bytes=reserve_bytes,
     )
 
-    def launch(e: int, actor: Any) -> tuple[Any, Any, Any]:
-        """Engine `e` building in `actor`, and its trainer rank's call connecting to it (not waited for)."""
-        commands, sync_address = ray.get(actor.start.remote(spec))
-        return actor, commands, sync.connect(e, sync_address)
-
-    def attach(e: int, launched: tuple[Any, Any, Any]) -> Any:
-        """The driver's handle on a launched engine, once built and connected to its rank."""
-        actor, commands, connecting = launched
+    def attach(e: int, actor: Any, commands: Any, connecting: Any) -> Any:
+        """The driver's handle on engine `e` (started in `actor`), once built: it waits for its trainer
+        rank to connect (`connecting`), and counts as dead if that call fails."""
         timeout_s, hang_s = cfg.weight_sync.timeout_s, cfg.placement.engine_hang_s
-        rank = [layout.sender_of(e)]
         try:
-            engine = engine_actor.connect_engine(
+            return engine_actor.connect_engine(
                 actor, commands, f"engine-{e}", authkey, timeout_s, hang_s, connecting
             )
         except EngineProcessError:  # a dead rank is the cause to report
-            gather_ranks([connecting], f"connecting to engine-{e}", rank)
+            gather_ranks([connecting], f"connecting to engine-{e}", [layout.sender_of(e)])
             raise
-        gather_ranks([connecting], f"connecting to engine-{e}", rank)
-        return engine
 
     def restart(e: int) -> tuple[Any, Any]:
-        """Engine `e` anew, synced to the current weights (the engine, the sync's result)."""
-        engine = attach(e, launch(e, create(e)))
+        """Engine `e` anew in its bundle, its rank reconnected and synced (the engine, the sync's result)."""
+        actor = create(e)
+        commands, sync_address = ray.get(actor.start.remote(spec))
+        connecting = sync.connect({e: sync_address})[e]
+        engine = attach(e, actor, commands, connecting)
+        gather_ranks([connecting], f"connecting to engine-{e}", [layout.sender_of(e)])
         return engine, sync.sync_engine(e)
 
-    launched = [launch(e, actor) for e, actor in enumerate(created)]
+    addresses = ray.get([actor.start.remote(spec) for actor in created])  # (commands, sync) each
+    connecting = sync.connect({e: sync_address for e, (_, sync_address) in enumerate(addresses)})
     reserve_bytes = gather_ranks(setups, "starting")[0]
-    engines = [attach(e, started) for e, started in enumerate(launched)]
+    engines = [
+        attach(e, actor, commands, connecting[e])
+        for e, (actor, (commands, _)) in enumerate(zip(created, addresses))
+    ]
+    calls = {id(call): (call, layout.sender_of(e)) for e, call in connecting.items()}
+    gather_ranks([c for c, _ in calls.values()], "connecting to the engines", [r for _, r in calls.values()])
     multiturn = bool(cfg.rollout.generate_fn)  # run by each engine actor: a session stays on its engine
     fleet = EngineFleet(engines, restart, cfg.placement.max_engine_restarts, multiturn)
     sync.fleet = fleet

@@ -73,46 +73,65 @@ class RayTrainerSide:
 
 class RaySync:
     """The new weights from the trainer ranks into every engine: colocated, each rank into its own engine
-    (shm / cuda_ipc); disaggregated, rank 0 into all (broadcast). Every engine verifies what it holds."""
+    (shm / cuda_ipc); disaggregated, rank 0 into all of them in one broadcast group. Every engine verifies
+    what it holds."""
 
     def __init__(self, ranks: list[Any], layout: Layout, connect_options: dict[str, Any]) -> None:
         self.ranks, self.layout, self.options = ranks, layout, connect_options
+        self.addresses: dict[int, Any] = {}
+        """Each engine's sync socket."""
         self.fleet: Any = None
         """The engines (set once they run): a sync restarts one that died."""
 
-    def connect(self, engine: int, sync_address: Any) -> Any:
-        """Start connecting trainer rank → `engine` (a Ray ref: the connection completes once the engine's
-        serve loop runs, which waits for it)."""
-        rank = self.ranks[self.layout.sender_of(engine)]
-        return rank.connect_sync.remote(engine, sync_address, **self.options)
+    def connect(self, addresses: dict[int, Any]) -> dict[int, Any]:
+        """Engines now listening at `addresses` (started, or restarted): the rank that syncs each reconnects
+        to all of its engines. Returns each given engine's connecting call (a Ray ref, not waited for: it
+        completes once every engine of the rank serves, which waits for the driver to attach it)."""
+        self.addresses.update(addresses)
+        calls = {}
+        for rank in sorted({self.layout.sender_of(e) for e in addresses}):
+            mine = {e: a for e, a in self.addresses.items() if self.layout.sender_of(e) == rank}
+            call = self.ranks[rank].connect_sync.remote(mine, **self.options)
+            calls.update({e: call for e in addresses if self.layout.sender_of(e) == rank})
+        return calls
 
     def sync(self, version: int) -> TransportSyncResult:
-        """Every engine to `version`; an engine found dead after its sync failed is restarted (and synced
-        as part of its restart), any other failure ends the run."""
+        """Every engine to `version`. Where a rank's sync failed and an engine of it is found dead, that
+        engine is restarted (the rank reconnects and syncs all its engines); any other failure ends the run."""
         began = time.perf_counter()
-        senders = sorted({self.layout.sender_of(e) for e in range(self.layout.engines)})
+        senders = self._senders()
         calls = [self.ranks[r].sync.remote(version) for r in senders]
-        per_rank = gather_ranks(calls, "syncing weights", senders)
-        by_engine = {e: result for part in per_rank for e, result in part.items()}
-        for engine, result in sorted(by_engine.items()):
+        results = gather_ranks(calls, "syncing weights", senders)
+        for i, (rank, result) in enumerate(zip(senders, results)):
             if not isinstance(result, str):
                 continue
-            if self.fleet is None or self.fleet.engines[engine].alive:
-                raise RuntimeError(f"the weight sync into engine-{engine} failed: {result}")
-            by_engine[engine] = self.fleet.restart(engine)
-        results = [by_engine[e] for e in sorted(by_engine)]
+            dead = [
+                e
+                for e in self._engines_of(rank)
+                if self.fleet is not None and not self.fleet.engines[e].alive
+            ]
+            if not dead:
+                raise RuntimeError(f"the weight sync from trainer rank {rank} failed: {result}")
+            for engine in dead:
+                results[i] = self.fleet.restart(engine)
         return merge_results(results, version, time.perf_counter() - began)
 
     def sync_engine(self, engine: int) -> TransportSyncResult:
-        """The policy's current weights into one (restarted) engine. With the rollout one step ahead, the
-        update may have finished meanwhile: the engine then holds (and its samples carry) the newer version."""
-        sender = self.layout.sender_of(engine)
-        calls = [self.ranks[sender].sync.remote(None, [engine])]
-        result = gather_ranks(calls, "syncing a restarted engine", [sender])[0][engine]
+        """The policy's current weights into a restarted engine (and the others its rank syncs). With the
+        rollout one step ahead the update may have finished meanwhile: they then hold (and their samples
+        carry) the newer version."""
+        rank = self.layout.sender_of(engine)
+        result = gather_ranks([self.ranks[rank].sync.remote(None)], "syncing a restarted engine", [rank])[0]
         if isinstance(result, str) or not result.checksum_ok:
             why = result if isinstance(result, str) else result.mismatched[:5]
             raise RuntimeError(f"restarted engine-{engine} did not take the weights: {why}")
         return result
+
+    def _senders(self) -> list[int]:
+        return sorted({self.layout.sender_of(e) for e in range(self.layout.engines)})
+
+    def _engines_of(self, rank: int) -> list[int]:
+        return [e for e in range(self.layout.engines) if self.layout.sender_of(e) == rank]
 
     def close(self) -> None:
         """Close the senders (the engines answer their Disconnect) and the ranks' group; a dead rank is
@@ -133,7 +152,7 @@ class FleetSyncResult(TransportSyncResult):
 
 
 def merge_results(results: list[TransportSyncResult], version: int, seconds: float) -> FleetSyncResult:
-    """One result for the syncs into every engine: verified only if every engine's is and every sender's
+    """One result for every sending rank's sync: verified only if every engine's is and every sender's
     weights agree; bytes added; the slowest engine's times."""
     first = results[0]
     prints = [r.fingerprints for r in results if r.fingerprints]

@@ -37,7 +37,8 @@ class TrainerRank:
         self.dp: DataParallel | None = None
         self.trainer: Any = None
         self.tokenizer: Any = None
-        self.syncs: dict[int, TransportWeightSync] = {}
+        self.weight_sync: TransportWeightSync | None = None
+        self.sync_engines: list[int] = []
         self.version = 0
         """Updates this rank's policy has taken (the step it finished): the weight version it syncs."""
 
@@ -88,44 +89,52 @@ class TrainerRank:
 
     # weight sync ---------------------------------------------------------------------------------
     def connect_sync(
-        self, engine: int, address: Any, transport: str, bucket_mb: float, timeout_s: float, host: str
+        self,
+        addresses: dict[int, Any],
+        transport: str,
+        bucket_mb: float,
+        timeout_s: float,
+        host: str,
     ) -> None:
-        """A sender to engine `engine`'s sync socket, connected (replacing one to an engine that died)."""
+        """One sender to the engines at `addresses` (engine -> sync socket), connected: every engine this
+        rank syncs, in one broadcast group when the transport is `broadcast`. It replaces the previous one
+        (after a restart the survivors reconnect as well)."""
         from multiprocessing.connection import Client
 
-        self.close_sync(engine)
-        channel = Channel(Client(address, authkey=self.authkey), f"engine-{engine}", timeout_s)
+        self.close_sync()
+        engines = sorted(addresses)
+        channels = [
+            Channel(Client(addresses[e], authkey=self.authkey), f"engine-{e}", timeout_s) for e in engines
+        ]
         device = next(self.trainer.model.parameters()).device
         options = {"host": bind_host(host)} if transport == "broadcast" else {}
-        sender = make_sender(transport, [channel], bucket_mb, timeout_s, device=device, **options)
+        sender = make_sender(transport, channels, bucket_mb, timeout_s, device=device, **options)
+        self.sync_engines, self.weight_sync = engines, TransportWeightSync(self.trainer.model, sender)
         sender.connect()
-        self.syncs[engine] = TransportWeightSync(self.trainer.model, sender)
 
-    def sync(
-        self, version: int | None, engines: list[int] | None = None
-    ) -> dict[int, TransportSyncResult | str]:
-        """The policy's weights into every engine this rank syncs (or those of `engines`), verified by each,
-        as `version` (None: the updates this rank has taken). An engine whose sync failed gets its error
-        instead of a result (it may have died: the driver restarts it); the others are synced all the same."""
-        out: dict[int, TransportSyncResult | str] = {}
-        for engine, sync in sorted(self.syncs.items()):
-            if engines is not None and engine not in engines:
-                continue
-            try:
-                out[engine] = sync.sync(self.version if version is None else version)
-            except Exception as err:
-                log.error("the weight sync into engine-%d failed: %s", engine, err)
-                out[engine] = f"{type(err).__name__}: {err}"
-        return out
+    def sync(self, version: int | None) -> TransportSyncResult | str:
+        """The policy's weights into every engine this rank syncs, verified by each, as `version` (None: the
+        updates this rank has taken); the error instead when it failed (an engine may have died: the driver
+        restarts it and this rank reconnects)."""
+        assert self.weight_sync is not None, "connect_sync first"
+        try:
+            return self.weight_sync.sync(self.version if version is None else version)
+        except Exception as err:
+            log.error("the weight sync into engines %s failed: %s", self.sync_engines, err)
+            return f"{type(err).__name__}: {err}"
 
-    def close_sync(self, engine: int) -> None:
-        sync = self.syncs.pop(engine, None)
+    def close_sync(self) -> None:
+        """Disconnect the engines (those still there) and close their channels."""
+        sync, self.weight_sync = self.weight_sync, None
         if sync is None:
             return
         try:
             sync.close()
-        except Exception as err:  # its engine is gone: nothing left to tell it
-            log.info("closing the sync to engine-%d: %s", engine, err)
+        except Exception as err:  # an engine is gone: nothing left to tell it
+            log.info("closing the weight sync to engines %s: %s", self.sync_engines, err)
+        assert sync.sender is not None
+        for channel in sync.sender.channels:  # the live engines wait for this rank's next connection
+            channel.close()
 
     # checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, run_dir: str, step: int, keep_last: int, write_state: dict[str, Any]) -> str:
@@ -155,8 +164,7 @@ class TrainerRank:
         restore_rng(state)
 
     def shutdown(self) -> None:
-        for engine in list(self.syncs):
-            self.close_sync(engine)
+        self.close_sync()
         if self.world_size > 1:
             import torch.distributed as dist
 
