@@ -120,16 +120,23 @@ TWO_TURNS = (
 )
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["placement.colocate=false", "placement.num_engines=2"]],
+    ids=["colocated", "disaggregated"],
+)
 def test_an_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost_or_repeated(
-    tmp_path: Path, cluster: object
+    tmp_path: Path, cluster: object, layout: list[str]
 ) -> None:
     """Multi-turn sessions run on the engine actors (a session stays on its engine); those of the killed
-    engine are run again on its replacement."""
+    engine are run again on its replacement. Disaggregated, rank 0 rebuilds its broadcast group with the
+    replacement and the surviving engine."""
     from miles.run import run
 
     plugin = tmp_path / "two_turns.py"
     plugin.write_text(TWO_TURNS)
-    cfg = _config(*COMMON, *RAY, *IN_PROCESS, "trainer.max_steps=4", f"rollout.generate_fn={plugin}:generate")
+    generate_fn = f"rollout.generate_fn={plugin}:generate"
+    cfg = _config(*COMMON, *RAY, *layout, *IN_PROCESS, "trainer.max_steps=4", generate_fn)
     killed: list[int] = []
     killer = threading.Thread(target=_kill_engine_mid_rollout, args=(tmp_path, killed), daemon=True)
     killer.start()
