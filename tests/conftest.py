@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiled_kernels(request: pytest.FixtureRequest) -> None:
+    """Each GPU test compiles its own kernels: shared over the session, torch.compile's recompile limit
+    (other shapes, dtypes, grad modes) would switch the fused kernels off for the tests after."""
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        from miles.models import fused
+
+        fused.reset()
+
+
 @pytest.fixture(params=["off", "on"], ids=["sync", "overlap"])
 def overlap_mode(request: pytest.FixtureRequest) -> str:
     """Runs an engine test with both step loops: the plain one and overlap scheduling (CUDA's default)."""

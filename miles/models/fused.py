@@ -169,6 +169,15 @@ def disable_chains(reason: str) -> None:
         log.warning("compiled elementwise chains off for training (%s); running the eager ones", reason)
 
 
+def reset() -> None:
+    """Forget the compiled kernels, their guards and any earlier failure: for a process that goes on with
+    other models and shapes (a test session), where torch.compile's recompile limit would turn them off."""
+    global _failed, _chains_failed
+    _compiled.clear()
+    _failed = _chains_failed = False
+    torch._dynamo.reset()
+
+
 def call(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args), compiled when fused kernels or compiled chains are on."""
     global _failed, _chains_failed
