@@ -109,9 +109,6 @@ def build_parts(cfg: MilesConfig, run_dir: Path, dp: DataParallel) -> RLParts:
 
     inputs = build_inputs(cfg, dp)
     model = inputs.model
-    loader = PromptLoader(
-        inputs.train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed
-    )
     trainer = build_trainer(cfg, model, dp, ref_model=build_reference(cfg, dp))
     trainer_side, drafts = TrainerSide.build(cfg, model, trainer, dp)
     # The KV pool takes its fraction of the memory the trainer's first update will not need (colocated).
@@ -125,25 +122,41 @@ def build_parts(cfg: MilesConfig, run_dir: Path, dp: DataParallel) -> RLParts:
         sync = InProcessWeightSync(trainer.model, engine, replica_fingerprints=dp.enabled)
         rewards = build_rewards(cfg, engine)  # a judge reward may drive the policy's engine
     rollout = RolloutSide(cfg, engine, rewards, inputs.stop_token_ids, dp)
-    collector = Collector(cfg, rollout, loader, load_group_filter(cfg.algorithm.group_filter), dp)
-    resume_from = find_resume_point(cfg, run_dir, dp)
-    wandb_run_id = continued_wandb_run(resume_from.folder, resume_from.state) if resume_from else None
-    tracker = None
-    if dp.is_main:
-        tracker = Tracker(
-            run_dir,
-            cfg.logging,
-            redact(asdict(cfg)),
-            cfg.recipe,
-            cfg.trainer.max_steps,
-            inputs.tokenizer,
-            wandb_run_id=wandb_run_id,
-        )
+    collector = build_collector(cfg, inputs, rollout, dp)
+    resume_from, wandb_run_id, tracker = build_tracking(cfg, run_dir, inputs, dp)
     busy = busy_meter(model.device)  # util/gpu_busy_frac on CUDA, util/cpu_busy_frac on CPU
     return RLParts(
-        cfg, run_dir, dp, inputs, loader, rollout, collector, trainer_side, sync, tracker, busy, resume_from,
-        wandb_run_id, inputs.dropped_metrics() if resume_from is None else {},
+        cfg, run_dir, dp, inputs, collector.loader, rollout, collector, trainer_side, sync, tracker, busy,
+        resume_from, wandb_run_id, inputs.dropped_metrics() if resume_from is None else {},
     )  # fmt: skip
+
+
+def build_collector(cfg: MilesConfig, inputs: RunInputs, rollout: RolloutSide, dp: DataParallel) -> Collector:
+    """The step's collector over the training prompts, in the loader's order (the same on every rank)."""
+    loader = PromptLoader(
+        inputs.train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed
+    )
+    return Collector(cfg, rollout, loader, load_group_filter(cfg.algorithm.group_filter), dp)
+
+
+def build_tracking(
+    cfg: MilesConfig, run_dir: Path, inputs: RunInputs, dp: DataParallel
+) -> tuple[ResumePoint | None, str | None, Tracker | None]:
+    """Where the run resumes from, the W&B run it continues, and its tracker (rank 0's)."""
+    resume_from = find_resume_point(cfg, run_dir, dp)
+    wandb_run_id = continued_wandb_run(resume_from.folder, resume_from.state) if resume_from else None
+    if not dp.is_main:
+        return resume_from, wandb_run_id, None
+    tracker = Tracker(
+        run_dir,
+        cfg.logging,
+        redact(asdict(cfg)),
+        cfg.recipe,
+        cfg.trainer.max_steps,
+        inputs.tokenizer,
+        wandb_run_id=wandb_run_id,
+    )
+    return resume_from, wandb_run_id, tracker
 
 
 def find_resume_point(cfg: MilesConfig, run_dir: Path, dp: DataParallel) -> ResumePoint | None:

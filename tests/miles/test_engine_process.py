@@ -3,7 +3,6 @@ over shared memory after every update, learns as the embedded run does."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -13,34 +12,10 @@ from miles.config import MilesConfig
 from miles.config.validate import validate
 from miles.errors import MilesUserError
 from tests.support.cli import run_miles
+from tests.support.placements import SAME_ON_EVERY_PLACEMENT, SHORT_GRPO
+from tests.support.placements import records as _records
 
-COMMON = [
-    "recipe=grpo_math",
-    "trainer.max_steps=3",
-    "trainer.eval_every=3",
-    "data.test_size=8",
-    "rollout.rollout_batch_size=4",
-    "rollout.n_samples_per_prompt=4",
-    "trainer.global_batch_size=8",
-    "trainer.save_final=false",
-]
-# Measured the same way on both placements (timings and the sync's own accounting differ by design).
-SAME = (
-    "reward/mean",
-    "reward/std",
-    "response_length/mean",
-    "train/loss",
-    "train/pg_loss",
-    "train/grad_norm",
-    "train/entropy",
-    "adv/mean",
-    "mismatch/logprob_abs_diff_mean",
-    "mismatch/logprob_abs_diff_max",
-)
-
-
-def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+COMMON, SAME = SHORT_GRPO, SAME_ON_EVERY_PLACEMENT
 
 
 def test_an_engine_process_run_equals_the_embedded_run(tmp_path: Path) -> None:

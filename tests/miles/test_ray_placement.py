@@ -19,39 +19,14 @@ from miles.config import MilesConfig
 from miles.config.validate import validate
 from miles.errors import MilesUserError
 from tests.support.cli import run_miles
+from tests.support.placements import BATCH, SAME_ON_EVERY_PLACEMENT, SHORT_GRPO, N
+from tests.support.placements import records as _records
 
 ray = pytest.importorskip("ray")
 
-BATCH, N = 4, 4
-COMMON = [
-    "recipe=grpo_math",
-    "trainer.max_steps=3",
-    "trainer.eval_every=3",
-    "data.test_size=8",
-    f"rollout.rollout_batch_size={BATCH}",
-    f"rollout.n_samples_per_prompt={N}",
-    "trainer.global_batch_size=8",
-    "trainer.save_final=false",
-    "placement.num_processes=2",
-]
+COMMON = [*SHORT_GRPO, "placement.num_processes=2"]
 RAY = ["placement=ray", "placement.num_processes=2", "placement.cpus_per_actor=0.5"]
-SAME = (
-    "reward/mean",
-    "reward/std",
-    "response_length/mean",
-    "train/loss",
-    "train/pg_loss",
-    "train/grad_norm",
-    "train/entropy",
-    "adv/mean",
-    "mismatch/logprob_abs_diff_mean",
-    "mismatch/logprob_abs_diff_max",
-    "rollout/prefix_hit_rate",
-)
-
-
-def _records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+SAME = (*SAME_ON_EVERY_PLACEMENT, "rollout/prefix_hit_rate")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from typing import Any
 
 from miles.build import build_inputs, build_rewards
 from miles.config import MilesConfig
-from miles.data import PromptLoader
 from miles.distributed import SINGLE, DataParallel
 from miles.placement.engine_process import EngineProcessError, EngineSpec
 from miles.placement.ray import engine_actor, trainer_actor
@@ -34,12 +33,10 @@ from miles.placement.ray.cluster import (
 )
 from miles.placement.ray.fleet import EngineFleet
 from miles.placement.ray.sides import RaySync, RayTrainerSide, gather_ranks
-from miles.rl.checkpointing import continued_wandb_run, schedule_resize
-from miles.rl.collect import Collector
-from miles.rl.parts import RLParts, find_resume_point
+from miles.rl.checkpointing import schedule_resize
+from miles.rl.parts import RLParts, build_collector, build_tracking
 from miles.rl.rollout_side import RolloutSide
-from miles.tracking import Tracker, redact
-from miles.trainer.group_filter import load_group_filter
+from miles.tracking import redact
 
 log = logging.getLogger("miles.placement")
 
@@ -197,23 +194,10 @@ def _build(
         raise RuntimeError(f"the engines did not take the policy's weights: {first.mismatched[:5]}")
     rewards = build_rewards(cfg)
     rollout = RolloutSide(cfg, fleet, rewards, inputs.stop_token_ids, SINGLE, plugin_here=False)
-    loader = PromptLoader(
-        inputs.train_prompts, cfg.rollout.rollout_batch_size, cfg.data.shuffle, cfg.data.seed
-    )
-    collector = Collector(cfg, rollout, loader, load_group_filter(cfg.algorithm.group_filter), SINGLE)
-    resume_from = find_resume_point(cfg, run_dir, SINGLE)
-    wandb_run_id = continued_wandb_run(resume_from.folder, resume_from.state) if resume_from else None
-    tracker = Tracker(
-        run_dir,
-        cfg.logging,
-        redact(asdict(cfg)),
-        cfg.recipe,
-        cfg.trainer.max_steps,
-        inputs.tokenizer,
-        wandb_run_id=wandb_run_id,
-    )
+    collector = build_collector(cfg, inputs, rollout, SINGLE)
+    resume_from, wandb_run_id, tracker = build_tracking(cfg, run_dir, inputs, SINGLE)
     return RayParts(
-        cfg, run_dir, SINGLE, inputs, loader, rollout, collector, RayTrainerSide(ranks, reserve_bytes), sync,
+        cfg, run_dir, SINGLE, inputs, collector.loader, rollout, collector, RayTrainerSide(ranks, reserve_bytes), sync,
         tracker, None, resume_from, wandb_run_id, inputs.dropped_metrics() if resume_from is None else {},
         ranks=ranks, group=group,
     )  # fmt: skip
