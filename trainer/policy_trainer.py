@@ -33,6 +33,7 @@ from miles.distributed import SINGLE, DataParallel
 from miles.models import CausalLM, fused
 from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
+from miles.trainer.deepspeed_policy import DeepSpeedPolicy
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
 from miles.trainer.logprobs import autocast, packed_logprobs, use_fused_kernels
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
@@ -40,6 +41,13 @@ from miles.trainer.master_weights import MasterWeights, wants_master_weights
 from miles.trainer.mfu import device_peak_flops, forward_flops
 from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
 from miles.trainer.packing import MicroBatch, fed_length, pack, response_loss_mask, validate_sample
+from miles.trainer.sharded_trainer import (
+    build_sharded_optimizer,
+    check_optimizer_kind,
+    load_sharded_state_dict,
+    sharded_state_dict,
+    sharded_update,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +119,16 @@ class PolicyTrainer:
         self.sft_loss = get_policy_loss("sft")
         if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
             raise ValueError(FLOAT16_REFUSED)
-        self.masters = MasterWeights(model) if wants_master_weights(model, cfg.master_weights) else None
+        self.sharded = build_sharded_optimizer(model, cfg, self.dp, self.tp)
+        """`trainer.distributed_optimizer`: masters, moments and reduced gradients split over the data-parallel
+        ranks (trainer/sharded_optimizer.py); the replicated AdamW below then holds no state."""
+        self.zero = model.start(cfg, self.dp) if isinstance(model, DeepSpeedPolicy) else None
+        """`trainer.backend=deepspeed`: DeepSpeed runs the backward, the step and keeps the optimizer state
+        (trainer/deepspeed_policy.py); the AdamW below then holds none."""
+        wants_masters = (
+            self.sharded is None and self.zero is None and wants_master_weights(model, cfg.master_weights)
+        )
+        self.masters = MasterWeights(model) if wants_masters else None
         """Float32 copies of a bf16 model's weights, which the optimizer updates (trainer/master_weights.py)."""
         trainable = (
             list(self.masters.named_masters())
@@ -266,7 +283,12 @@ class PolicyTrainer:
         """{"tensors": {name: tensor} (safetensors-ready), "meta": JSON-able dict} for optimizer + schedule.
 
         With tensor parallelism a collective of the TP group, whose rank 0 alone keeps the whole tensors (the
-        others' "tensors" come back empty)."""
+        others' "tensors" come back empty). With the distributed optimizer only the schedule and the
+        layout: each rank's shards go through miles/rl/sharded_checkpoint.py."""
+        if self.sharded is not None:
+            return sharded_state_dict(self)
+        if self.zero is not None:  # the shards go through DeepSpeed's own checkpoint (ZeroStep.save)
+            return {"tensors": {}, "meta": self.zero.schedule_meta(self)}
         keep = self.tp.rank == 0
         names = self._names
         saved = self.optimizer.state_dict()
@@ -306,6 +328,11 @@ class PolicyTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         tensors, meta = state["tensors"], state["meta"]
+        if self.zero is not None:  # the shards come from DeepSpeed's own checkpoint (ZeroStep.load)
+            return self.zero.load_schedule_meta(self, meta)
+        check_optimizer_kind(self, meta)
+        if self.sharded is not None:
+            return load_sharded_state_dict(self, meta)
         current = [[self._names[id(p)] for p in group["params"]] for group in self.optimizer.param_groups]
         saved_names = [g["param_names"] for g in meta["param_groups"]]
         if current != saved_names:
@@ -373,6 +400,10 @@ class PolicyTrainer:
         before the first one, AdamW's two moments. A colocated engine sizes its KV pool without them. An
         estimate: it counts experts no token may reach, and leaves out short-lived buffers (a gradient's
         float32 copy as it is folded in, an all-reduce bucket), which the pool's fraction leaves room for."""
+        if self.sharded is not None:
+            return self.sharded.grad_bytes()
+        if self.zero is not None:
+            return self.zero.memory_reserve_bytes()
         total = 0
         for group in self.optimizer.param_groups:
             for tensor in group["params"]:
@@ -406,12 +437,15 @@ class PolicyTrainer:
     ) -> list[torch.Tensor]:
         result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         ids = list(range(len(samples)))
-        for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
+        batches = pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay)
+        for batch in batches:
             out = packed_logprobs(
                 model, batch, temperature, self.cfg.precision, fused_kernels=self.fused_kernels
             )
             for i, values in zip(batch.sample_ids, batch.per_sample(out.logprobs)):
                 result[i] = values
+        if self.zero is not None and model is self.model:  # every rank runs as many forwards (ZeRO-3)
+            self.zero.pad_forward(len(batches), self.model, self.cfg.precision)
         return result
 
     def _rollout_logprobs(self, samples: list[Sample]) -> list[torch.Tensor | None]:
@@ -477,10 +511,15 @@ class PolicyTrainer:
         """Gradients of one optimizer step's loss over its micro-batches (from zero), and the metric sums."""
         algo = self.algorithm
         self.optimizer.zero_grad(set_to_none=True)
-        if self.masters is not None:  # a failed pass (the eager retry) may have left some behind
+        if self.sharded is not None:
+            self.sharded.zero_grad()
+        # a failed pass (the eager retry) may have left some behind
+        if self.masters is not None or self.sharded is not None:
             self.model.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
-        for batch in pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay):
+        batches = pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay)
+        passes = self.zero.passes(len(batches)) if self.zero is not None else len(batches)
+        for batch in batches:
             out = packed_logprobs(
                 self.model,
                 batch,
@@ -517,13 +556,18 @@ class PolicyTrainer:
                 sums["train/kl"] += (kl.detach() * mean_weights).sum()
             if entropy_coef > 0:
                 loss = loss - entropy_coef * (out.entropy * weights).sum()
-            loss.backward()
+            if self.zero is not None:
+                self.zero.backward(loss)
+            else:
+                loss.backward()
             sums["train/loss"] += loss.detach()
             sums["train/pg_loss"] += pg_loss.detach()
             sums["train/entropy"] += (out.entropy.detach() * mean_weights).sum()
             sums["train/nll"] += (-out.logprobs.detach() * mean_weights).sum()
             for name, values in result.token_metrics.items():
                 sums[name] += (values.detach().float() * mean_weights).sum()
+        if self.zero is not None:  # every rank runs as many passes (DeepSpeed's collectives)
+            self.zero.pad_backward(len(batches), passes, self.model, self.cfg.precision)
         return sums
 
     def _old_and_tis(
@@ -548,6 +592,12 @@ class PolicyTrainer:
         return old, torch.cat(weights)
 
     def _apply_update(self, skip: bool) -> dict[str, float]:
+        if self.sharded is not None:
+            return sharded_update(self, skip)
+        if self.zero is not None:
+            metrics = self.zero.apply_update(skip, self.lr)
+            self.optimizer_steps_done += 1
+            return metrics
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.tp.enabled:
             self.model.reduce_tensor_parallel_gradients(self._named_grads())

@@ -192,7 +192,8 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     backend: str = "torch"
-    """torch (our model) | megatron (megatron-core layers, trainer/megatron_policy.py); deepspeed is planned."""
+    """torch (our model) | megatron (megatron-core layers, trainer/megatron_policy.py) | deepspeed (ZeRO over
+    the data-parallel ranks, trainer/deepspeed_policy.py)."""
     max_steps: int = 100
     """RL steps (rollout + update) to run."""
     lr: float = 1e-5
@@ -214,6 +215,15 @@ class TrainerConfig:
     tensor_parallel_size: int = 1
     """megatron backend: processes that split one model replica's layers (megatron's tensor parallelism; a
     divisor of placement.num_processes); the replicas are data-parallel. 1: each process holds a replica."""
+    zero_stage: int = 2
+    """deepspeed backend: ZeRO stage 1 (optimizer state sharded), 2 (and gradients) or 3 (and weights)."""
+    offload_optimizer: str = "none"
+    """deepspeed backend: none | cpu (the optimizer state and step in host memory)."""
+    offload_param: str = "none"
+    """deepspeed backend, zero_stage=3: none | cpu (the weight shards in host memory between uses)."""
+    deepspeed_extra: dict[str, Any] = field(default_factory=dict)
+    """deepspeed backend: keys merged over the DeepSpeed config built from these settings
+    (trainer/deepspeed_config.py), e.g. +trainer.deepspeed_extra.zero_optimization.reduce_bucket_size=5e7."""
     fused_kernels: str = "auto"
     """auto | on | off: the torch backend's elementwise chains (RMSNorm, residual add + norm, q/k norm + RoPE,
     SwiGLU) through torch.compile, forward and backward, as the engine runs them; auto: on CUDA in bf16."""
@@ -248,6 +258,16 @@ class TrainerConfig:
     """MoE: route each token through the experts the engine chose at rollout (needs rollout.record_routing)."""
     peak_flops: float = 0.0
     """Device peak FLOP/s for train/mfu; 0 looks up known GPUs and omits train/mfu when unknown (CPU)."""
+    distributed_optimizer: bool = False
+    """Shard the float32 master weights, AdamW moments and reduced gradients over the data-parallel ranks
+    (trainer/sharded_optimizer.py): gradients reduce-scattered, updated weights all-gathered; checkpoints then
+    hold each rank's shards (torch.distributed.checkpoint)."""
+    recompute: str = "none"
+    """Activation recomputation in the backward: none | selective (attention and MLP internals) | full
+    (each whole layer); torch and megatron backends (trainer/recompute.py)."""
+    offload_optimizer_during_rollout: bool = False
+    """Move the optimizer's float32 masters and moments to pinned CPU memory between updates (CUDA only; a
+    no-op on CPU), so a colocated engine's KV pool can use that memory; `time/offload` is logged."""
 
 
 @dataclass

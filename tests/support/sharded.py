@@ -1,0 +1,73 @@
+"""Workers for tests/trainer/test_sharded_optimizer.py (a module of their own so spawned processes import them)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from miles.config import AlgorithmConfig, OptimConfig, TrainerConfig
+from miles.distributed import DataParallel
+from miles.models import CausalLM
+from miles.trainer import PolicyTrainer
+from tests.support.dp import scored_samples
+from tests.support.trainer import tiny_model
+
+
+def sharded_case_model(case: dict) -> CausalLM:
+    model = tiny_model(seed=1, num_experts=case.get("num_experts", 8))
+    return model.to(getattr(torch, case.get("dtype", "float32")))
+
+
+def sharded_case_trainer(model: CausalLM, case: dict, dp: DataParallel, distributed: bool) -> PolicyTrainer:
+    cfg = TrainerConfig(
+        global_batch_size=case.get("global_batch_size", 8),
+        micro_batch_tokens=24,
+        optim=OptimConfig(
+            grad_clip=case.get("grad_clip", 0.05),
+            weight_decay=0.01,
+            warmup_steps=2,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+        ),
+        lr=1e-2,
+        max_steps=case.get("steps", 3),
+        distributed_optimizer=distributed,
+    )
+    algorithm = AlgorithmConfig(loss_agg="token_mean", entropy_coef=0.01)
+    return PolicyTrainer(model, cfg, algorithm, temperature=1.0, dp=dp)
+
+
+def case_steps(case: dict, step: int) -> list:
+    """The step's samples; a step listed in `empty_steps` has no loss token (the update is skipped)."""
+    samples = scored_samples(case.get("num_samples", 8), seed=step)
+    if step in case.get("empty_steps", ()):
+        for s in samples:
+            s.loss_mask = [0] * len(s.response_ids)
+    return samples
+
+
+def sharded_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> None:
+    """One rank: `steps` RL updates on its share, with the replicated or the distributed AdamW."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dp = DataParallel(rank=rank, world_size=world, local_rank=rank)
+        model = sharded_case_model(case)
+        trainer = sharded_case_trainer(model, case, dp, case["distributed"])
+        metrics = [trainer.train_step(dp.shard(case_steps(case, i))) for i in range(case.get("steps", 3))]
+        out = Path(out_dir)
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+            str(out / f"rank{rank}.safetensors"),
+        )
+        (out / f"rank{rank}.json").write_text(json.dumps(metrics))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

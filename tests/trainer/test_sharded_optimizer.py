@@ -1,0 +1,82 @@
+"""The distributed optimizer (trainer/sharded_optimizer.py) against the replicated AdamW, over gloo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from miles.config import TrainerConfig
+from miles.distributed import SINGLE
+from miles.errors import MilesUserError
+from tests.support.sharded import case_steps, sharded_case_model, sharded_case_trainer, sharded_worker
+
+CASES = {
+    # a tiny MoE (experts no token of a rank reaches), a step without loss tokens (skipped), clipping on
+    "moe_fp32_skip": {"num_experts": 8, "empty_steps": [1]},
+    # dense, bf16 weights: float32 master shards, rounded into the weights by the all-gather
+    "dense_bf16": {"num_experts": 0, "dtype": "bfloat16"},
+}
+
+
+def _run(tmp_path: Path, case: dict, distributed: bool) -> tuple[list[dict], list[dict]]:
+    out = tmp_path / ("sharded" if distributed else "replicated")
+    out.mkdir()
+    case = {**case, "distributed": distributed}
+    mp.start_processes(
+        sharded_worker, args=(2, str(out / "store"), case, str(out)), nprocs=2, start_method="spawn"
+    )
+    weights = [load_file(str(out / f"rank{r}.safetensors")) for r in range(2)]
+    metrics = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return weights, metrics
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed_optimizer_equals_replicated_adamw(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    want_w, want_m = _run(tmp_path, case, distributed=False)
+    got_w, got_m = _run(tmp_path, case, distributed=True)
+    initial = sharded_case_model(case).state_dict()
+    for key, want in want_w[0].items():
+        assert not torch.equal(want, initial[key]) or "norm" in key, key  # the update moved it
+        for rank in range(2):
+            torch.testing.assert_close(got_w[rank][key].float(), want.float(), atol=1e-6, rtol=0)
+    assert torch.equal(got_w[0]["lm_head.weight"], got_w[1]["lm_head.weight"])  # replicas stay identical
+    for got, want in zip(got_m[0], want_m[0]):
+        assert got["train/skipped_steps"] == want["train/skipped_steps"]
+        assert got["train/lr"] == want["train/lr"]
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-6, abs=1e-6)
+        assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-6, abs=1e-6)
+    assert sum(m["train/skipped_steps"] for m in want_m[0]) == len(case.get("empty_steps", []))
+    assert max(m["train/grad_norm"] for m in want_m[0]) > 0.05  # clipping took part
+
+
+def test_one_process_distributed_optimizer_equals_adamw() -> None:
+    case = {"num_experts": 8, "empty_steps": [1]}
+    models = [sharded_case_model(case) for _ in range(2)]
+    trainers = [sharded_case_trainer(m, case, SINGLE, distributed) for m, distributed in zip(models, (0, 1))]
+    for step in range(3):
+        want, got = (t.train_step(case_steps(case, step)) for t in trainers)
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-6)
+    for (key, want), got in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=key)
+    # nothing of the replicated AdamW's state is kept beside the shards
+    assert not trainers[1].optimizer.state and trainers[1].masters is None
+
+
+def test_distributed_optimizer_checkpoint_kind_is_checked() -> None:
+    case = {"num_experts": 0}
+    replicated = sharded_case_trainer(sharded_case_model(case), case, SINGLE, False)
+    sharded = sharded_case_trainer(sharded_case_model(case), case, SINGLE, True)
+    with pytest.raises(MilesUserError, match="distributed_optimizer=true"):
+        replicated.load_state_dict(sharded.state_dict())
+    with pytest.raises(MilesUserError, match="distributed_optimizer=false"):
+        sharded.load_state_dict(replicated.state_dict())
+    other = sharded_case_trainer(sharded_case_model({"num_experts": 4}), case, SINGLE, True)
+    with pytest.raises(MilesUserError, match="layout differs"):
+        other.load_state_dict(sharded.state_dict())
+    assert TrainerConfig().distributed_optimizer is False

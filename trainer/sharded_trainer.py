@@ -1,0 +1,99 @@
+"""`PolicyTrainer`'s side of the distributed optimizer: building it for a policy, its update step and its
+checkpoint meta (the shards themselves go through miles/rl/sharded_checkpoint.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from miles.config import TrainerConfig
+from miles.distributed import DataParallel
+from miles.errors import MilesUserError
+from miles.trainer.sharded_optimizer import ShardedAdamW
+
+logger = logging.getLogger(__name__)
+
+META_KEY = "distributed_optimizer"
+"""The trainer-state meta entry of a distributed optimizer's checkpoint: its flat layout and step counts."""
+
+
+def build_sharded_optimizer(
+    model: nn.Module, cfg: TrainerConfig, dp: DataParallel, tp: DataParallel
+) -> ShardedAdamW | None:
+    """The distributed optimizer over `model`'s trainable parameters when `trainer.distributed_optimizer`.
+
+    A policy may name another reduction group for some parameters (expert-data-parallel experts) through
+    `model.gradient_reduction_group(name) -> process group | None` (None: the data-parallel group)."""
+    if not cfg.distributed_optimizer:
+        return None
+    if tp.enabled:
+        raise MilesUserError(
+            "trainer.distributed_optimizer with trainer.tensor_parallel_size > 1 is not supported yet (the "
+            "global gradient norm would need summing over the tensor-parallel ranks); use one of them"
+        )
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    pick = getattr(model, "gradient_reduction_group", None)
+    groups: dict[int, DataParallel] = {}
+
+    def reduction_group(name: str) -> DataParallel:
+        group = pick(name) if pick is not None else None
+        if group is None:
+            return dp
+        return groups.setdefault(id(group), dp.within(group))
+
+    return ShardedAdamW(named, cfg, dp, reduction_group)
+
+
+def sharded_update(trainer: Any, skip: bool) -> dict[str, float]:
+    """One optimizer step of `trainer` (a PolicyTrainer) through its distributed optimizer."""
+    lr = trainer.lr
+    grad_norm, skipped = trainer.sharded.step(lr, trainer.cfg.optim.grad_clip, skip)
+    if skipped:
+        logger.warning("skipping an optimizer step (grad norm %s, or no loss tokens)", grad_norm)
+    trainer.optimizer_steps_done += 1  # the schedule advances either way, as in the replicated path
+    return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_steps": float(skipped)}
+
+
+def sharded_state_dict(trainer: Any) -> dict[str, Any]:
+    """The schedule, the flat layout and each parameter's step count; no tensors (each rank's shards are
+    written by miles/rl/sharded_checkpoint.py)."""
+    sharded: ShardedAdamW = trainer.sharded
+    meta = {
+        "optimizer_steps_done": trainer.optimizer_steps_done,
+        "total_optimizer_steps": trainer.total_optimizer_steps,
+        META_KEY: {"layout": sharded.layout(), "steps": dict(sharded.steps)},
+    }
+    return {"tensors": {}, "meta": meta}
+
+
+def check_optimizer_kind(trainer: Any, meta: dict[str, Any]) -> None:
+    """A checkpoint resumes only into the optimizer kind that wrote it."""
+    saved_sharded = META_KEY in meta
+    if saved_sharded and trainer.sharded is None:
+        raise MilesUserError(
+            "this checkpoint holds a distributed optimizer's shards: resume it with "
+            "trainer.distributed_optimizer=true"
+        )
+    if not saved_sharded and trainer.sharded is not None:
+        raise MilesUserError(
+            "this checkpoint holds a replicated AdamW state: resume it with trainer.distributed_optimizer=false"
+        )
+
+
+def load_sharded_state_dict(trainer: Any, meta: dict[str, Any]) -> None:
+    """The schedule and step counts of `meta`; the masters restart from the (just loaded) model weights
+    until the shards are read."""
+    sharded: ShardedAdamW = trainer.sharded
+    saved = meta[META_KEY]
+    if saved["layout"] != sharded.layout():
+        raise MilesUserError(
+            "the checkpoint's distributed-optimizer layout differs from this run's (another model, trainable "
+            "set, dtype or weight decay); resume with the settings it was saved with"
+        )
+    sharded.steps = {name: int(n) for name, n in saved["steps"].items()}
+    sharded.masters_from_model()
+    trainer.optimizer_steps_done = int(meta["optimizer_steps_done"])
+    total = meta.get("total_optimizer_steps")
+    trainer.total_optimizer_steps = None if total is None else int(total)
