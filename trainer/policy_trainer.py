@@ -39,8 +39,10 @@ from miles.trainer.logprobs import autocast, packed_logprobs, use_fused_kernels
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
 from miles.trainer.master_weights import MasterWeights, wants_master_weights
 from miles.trainer.mfu import device_peak_flops, forward_flops
+from miles.trainer.model_parallel import clip_split_gradients, gradient_sets, is_filler, lockstep_batches
 from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
 from miles.trainer.packing import MicroBatch, fed_length, pack, response_loss_mask, validate_sample
+from miles.trainer.recompute import apply_recompute
 from miles.trainer.sharded_trainer import (
     build_sharded_optimizer,
     check_optimizer_kind,
@@ -107,6 +109,8 @@ class PolicyTrainer:
         self.model, self.cfg, self.algorithm, self.ref_model = model, cfg, algorithm, ref_model
         self.temperature = temperature
         self.dp = dp
+        self.world = dp
+        """Every rank of the run (`dp` before it is narrowed to the replicas' group under tensor parallelism)."""
         self.tp = SINGLE
         """The ranks that hold the other parts of this replica (megatron tensor parallelism): they train on
         the same samples, the union of theirs; `dp` is then the replicas' group, across which gradients sum."""
@@ -114,11 +118,14 @@ class PolicyTrainer:
         if tp_group is not None:
             self.tp = dp.within(tp_group)
             self.dp = dp.within(model.data_parallel_group)
+        self.model_parallel = self.tp.enabled or getattr(model, "expert_group", None) is not None
+        """Some parameters are split over ranks (TP, or experts over EP x expert-TP; trainer/model_parallel.py)."""
         self.device = model.device
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.sft_loss = get_policy_loss("sft")
         if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
             raise ValueError(FLOAT16_REFUSED)
+        apply_recompute(model, cfg.recompute)
         self.sharded = build_sharded_optimizer(model, cfg, self.dp, self.tp)
         """`trainer.distributed_optimizer`: masters, moments and reduced gradients split over the data-parallel
         ranks (trainer/sharded_optimizer.py); the replicated AdamW below then holds no state."""
@@ -302,7 +309,7 @@ class PolicyTrainer:
                 group_names.append(name)
                 for key, value in saved["state"].get(idx, {}).items():
                     if isinstance(value, torch.Tensor):
-                        if self.tp.enabled and value.shape == param.shape and self.model.is_sharded(name):
+                        if self.model_parallel and value.shape == param.shape and self.model.is_sharded(name):
                             value = self.model.gather(name, value)  # TP-independent checkpoints
                         if keep:
                             tensors[f"optimizer.{name}.{key}"] = value.detach().to("cpu").contiguous()
@@ -314,7 +321,7 @@ class PolicyTrainer:
             groups_meta.append({"hyper": hyper, "param_names": group_names})
         if self.masters is not None:  # float32 weights the bf16 model alone cannot give back on resume
             for name, master in self.masters.named_masters():
-                if self.tp.enabled and self.model.is_sharded(name):
+                if self.model_parallel and self.model.is_sharded(name):
                     master = self.model.gather(name, master)
                 if keep:
                     tensors[f"master.{name}"] = master.detach().to("cpu").contiguous()
@@ -349,7 +356,7 @@ class PolicyTrainer:
             for name in group_meta["param_names"]:
                 prefix = f"optimizer.{name}."
                 entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-                if self.tp.enabled and self.model.is_sharded(name):
+                if self.model_parallel and self.model.is_sharded(name):
                     entry = {k: self.model.shard(name, v) if v.dim() else v for k, v in entry.items()}
                 entry.update(
                     {k[len(prefix) :]: v for k, v in meta["scalars"].items() if k.startswith(prefix)}
@@ -386,7 +393,7 @@ class PolicyTrainer:
     def _load_master(self, name: str, master: torch.Tensor, saved: torch.Tensor | None) -> None:
         if saved is None or master.dtype != torch.float32:
             return
-        if self.tp.enabled and self.model.is_sharded(name):
+        if self.model_parallel and self.model.is_sharded(name):
             saved = self.model.shard(name, saved)
         if saved.shape != master.shape:
             raise ValueError(
@@ -438,10 +445,12 @@ class PolicyTrainer:
         result: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         ids = list(range(len(samples)))
         batches = pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay)
-        for batch in batches:
+        for batch in lockstep_batches(model, batches, self.world, self.device, replay):
             out = packed_logprobs(
                 model, batch, temperature, self.cfg.precision, fused_kernels=self.fused_kernels
             )
+            if is_filler(batch):
+                continue
             for i, values in zip(batch.sample_ids, batch.per_sample(out.logprobs)):
                 result[i] = values
         if self.zero is not None and model is self.model:  # every rank runs as many forwards (ZeRO-3)
@@ -519,7 +528,7 @@ class PolicyTrainer:
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         batches = pack(samples, ids, self.cfg.micro_batch_tokens, self.device, replay)
         passes = self.zero.passes(len(batches)) if self.zero is not None else len(batches)
-        for batch in batches:
+        for batch in lockstep_batches(self.model, batches, self.world, self.device, replay):
             out = packed_logprobs(
                 self.model,
                 batch,
@@ -529,6 +538,9 @@ class PolicyTrainer:
                 entropy_grad=entropy_coef > 0,
                 fused_kernels=self.fused_kernels,
             )
+            if is_filler(batch):  # this rank's part in the experts' collectives, forward and backward
+                (out.logprobs.sum() * 0.0).backward()
+                continue
             ids_in = batch.sample_ids
             mask = torch.cat([data.loss_mask[i] for i in ids_in])
             lengths = torch.tensor(batch.response_lengths, device=self.device)
@@ -601,11 +613,15 @@ class PolicyTrainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if self.tp.enabled:
             self.model.reduce_tensor_parallel_gradients(self._named_grads())
-        if self.dp.enabled:
-            self._sum_gradients(params)
+        named = [(self._names[id(p)], p) for p in params]
+        for dp, group_params in gradient_sets(self.model, named, self.dp, self.world):
+            if dp.enabled:
+                self._sum_gradients(group_params, dp)
         clip = self.cfg.optim.grad_clip
-        if self.tp.enabled:
-            grad_norm = self._clip_tensor_parallel(clip if clip > 0 else float("inf"))
+        if self.model_parallel:
+            grad_norm = clip_split_gradients(
+                self.model, self._named_grads(), clip if clip > 0 else float("inf"), self.device
+            )
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
         lr = self.lr
@@ -631,24 +647,6 @@ class PolicyTrainer:
         union = [s for part in self.tp.all_gather_objects(samples) for s in part]
         return sorted(union, key=lambda s: (s.group_id, s.index))
 
-    def _clip_tensor_parallel(self, max_norm: float) -> float:
-        """`clip_grad_norm_` over the whole replica: the TP-split parameters' squared norms summed over the TP
-        group, the whole ones (norms; equal on every TP rank) counted once."""
-        split, whole = [], []
-        for name, grad in self._named_grads():
-            (split if self.model.is_sharded(name) else whole).append(grad)
-        squares = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for i, grads in enumerate((split, whole)):
-            if grads:
-                squares[i] = sum(g.detach().double().square().sum() for g in grads)
-        self.tp.all_reduce(squares[:1])
-        total = squares.sum().sqrt().item()
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0 and math.isfinite(total):
-            for grads in (split, whole):
-                torch._foreach_mul_(grads, coef)
-        return total
-
     def _positions(self, samples: list[Sample]) -> tuple[list[int], int]:
         """Where each of this rank's samples sits in the whole batch, and the batch's size. One process's
         batch is its list; across ranks the batch is ordered by (group, index), as one process's rollout
@@ -673,10 +671,12 @@ class PolicyTrainer:
                 totals[name] = totals.get(name, 0.0) + value
         return totals
 
-    def _sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the gradients across ranks, in buckets. A parameter no rank produced a gradient for keeps
-        none (AdamW skips it, as in one process); one that only some ranks did counts zeros elsewhere."""
-        anywhere = self.dp.all_reduce_floats([float(p.grad is not None) for p in params], "max")
+    def _sum_gradients(self, params: list[torch.nn.Parameter], dp: DataParallel | None = None) -> None:
+        """Sum the gradients across ranks (`dp`, default the replicas), in buckets. A parameter no rank
+        produced a gradient for keeps none (AdamW skips it, as in one process); one that only some ranks did
+        counts zeros elsewhere."""
+        dp = self.dp if dp is None else dp
+        anywhere = dp.all_reduce_floats([float(p.grad is not None) for p in params], "max")
         grads = []
         for p, has_grad in zip(params, anywhere):
             if has_grad:
@@ -684,7 +684,7 @@ class PolicyTrainer:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
         for bucket in _grad_buckets(grads):
-            flat = self.dp.all_reduce(torch.cat([g.reshape(-1) for g in bucket]))
+            flat = dp.all_reduce(torch.cat([g.reshape(-1) for g in bucket]))
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

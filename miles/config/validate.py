@@ -16,7 +16,9 @@ from miles.trainer.backends import check_backend, check_tensor_parallel
 from miles.trainer.draft_trainer import check_draft_settings
 from miles.trainer.group_filter import load_group_filter
 from miles.trainer.losses import LOSS_AGG_MODES
+from miles.trainer.offload import check_memory_plan
 from miles.trainer.policy_trainer import FLOAT16_REFUSED
+from miles.trainer.recompute import check_recompute
 
 
 def validate(config: MilesConfig) -> None:
@@ -42,6 +44,8 @@ def validate(config: MilesConfig) -> None:
 def check_placement(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
     check_backend(config.trainer.backend)
+    check_recompute(config.trainer.recompute)
+    check_memory_plan(config)
     if config.placement.mode not in ("embedded", "ray"):
         raise MilesUserError(
             f"placement.mode={config.placement.mode}: use embedded (one process, or placement.num_processes=N "

@@ -46,8 +46,8 @@ _WEIGHTED_BY = {
 
 def combine_metrics(per_rank: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
     """One metric set from each rank's, for the metrics a rank measures on its own share of the step:
-    counts and rates add, maxima, peaks and durations (`time/*`, `*_s`) take the largest, `/min` the
-    smallest, and every other value is a mean over the ranks weighted by `weights` (their numbers of
+    counts and rates add, maxima, peaks and durations (`time/*`, `memory/*`, `*_s`) take the largest,
+    `/min` the smallest, and every other value is a mean over the ranks weighted by `weights` (their numbers of
     samples), or by `P/count` for the keys under `P/` where the ranks report one (by `_WEIGHTED_BY`'s count
     for the keys it names); a `/std` is pooled with its `/mean`. A key some rank lacks is combined over the
     ranks that have it."""
@@ -68,7 +68,7 @@ def combine_metrics(per_rank: list[dict[str, float]], weights: list[float]) -> d
         total = sum(w for _, w, _ in have)
         if key.endswith(_SUMMED_ENDINGS):
             out[key] = sum(values)
-        elif key.endswith(_LARGEST_ENDINGS) or key.startswith("time/"):
+        elif key.endswith(_LARGEST_ENDINGS) or key.startswith(("time/", "memory/")):
             out[key] = _extreme(values, max)
         elif key.endswith("/min"):
             out[key] = _extreme(values, min)

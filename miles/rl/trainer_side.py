@@ -9,11 +9,16 @@ from typing import Any
 from miles.config import MilesConfig
 from miles.distributed import DataParallel
 from miles.sample import Sample
+from miles.trainer.offload import OptimizerOffload, PeakMemory
 
 
 class TrainerSide:
     def __init__(self, trainer: Any, draft_trainer: Any = None, head: Any = None) -> None:
         self.trainer, self.draft_trainer, self.head = trainer, draft_trainer, head
+        # The optimizer state off the GPU between updates, from before a colocated engine sizes its KV pool.
+        self.offload = OptimizerOffload(trainer, trainer.cfg.offload_optimizer_during_rollout)
+        self.offload.to_host()
+        self.peak = PeakMemory(trainer.device, *_global_rank())
 
     @classmethod
     def build(cls, cfg: MilesConfig, model: Any, trainer: Any, dp: DataParallel) -> tuple[TrainerSide, dict]:
@@ -43,6 +48,8 @@ class TrainerSide:
     def memory_reserve_bytes(self) -> int:
         """What the first update needs beside the engine's KV pool (colocated on one device)."""
         reserve = self.trainer.memory_reserve_bytes()
+        if self.offload.enabled:  # the state is on the host during rollout; the update gets the pool's memory
+            reserve = max(0, reserve - self.offload.state_bytes())
         if self.draft_trainer is not None:
             reserve += self.draft_trainer.memory_reserve_bytes()
         return reserve
@@ -53,12 +60,18 @@ class TrainerSide:
         """The policy's update on `samples` (when `update`: every rank steps, with or without samples of
         its own) and the draft's on all of this rank's `rollouts` (`time/draft_train`)."""
         metrics: dict[str, float] = {}
+        timings.update(self.peak.read("rollout"))  # since the last update: rollout, rewards, weight sync
+        offload_s = self.offload.to_device()
         if self.head is not None:  # from the hidden states of the policy that drew the samples
             self._train_draft(rollouts, metrics, timings)
         if update:
             metrics.update(self.trainer.train_step(samples))
         if self.draft_trainer is not None and self.head is None:
             self._train_draft(rollouts, metrics, timings)
+        offload_s += self.offload.to_host()
+        if self.trainer.cfg.offload_optimizer_during_rollout:  # 0 where there is no GPU to free
+            timings["time/offload"] = offload_s
+        timings.update(self.peak.read("update"))
         return metrics
 
     def _train_draft(
@@ -67,3 +80,12 @@ class TrainerSide:
         began = time.perf_counter()
         metrics.update(self.draft_trainer.train_step(rollouts))
         timings["time/draft_train"] = time.perf_counter() - began
+
+
+def _global_rank() -> tuple[int, int]:
+    """(rank, number of processes) of this process in the run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
