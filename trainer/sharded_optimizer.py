@@ -211,7 +211,7 @@ class ShardedAdamW:
         for name in {n for _, with_grad in reduced for n in with_grad}:
             self.steps[name] += 1
         for bucket in self.buckets:
-            self._gather_into_model(bucket)
+            self.gather_into_model(bucket)
         return grad_norm, False
 
     def _adamw(self, bucket: Bucket, grad: torch.Tensor, with_grad: set[str], lr: float) -> None:
@@ -247,7 +247,7 @@ class ShardedAdamW:
             maximize=False,
         )
 
-    def _gather_into_model(self, bucket: Bucket) -> None:
+    def gather_into_model(self, bucket: Bucket) -> None:
         """Every rank's updated slice, in the weights' dtype, into the parameters."""
         group = bucket.group
         local = bucket.master.to(bucket.dtype)

@@ -63,7 +63,11 @@ def sharded_state_dict(trainer: Any) -> dict[str, Any]:
     meta = {
         "optimizer_steps_done": trainer.optimizer_steps_done,
         "total_optimizer_steps": trainer.total_optimizer_steps,
-        META_KEY: {"layout": sharded.layout(), "steps": dict(sharded.steps)},
+        META_KEY: {
+            "layout": sharded.layout(),
+            "steps": dict(sharded.steps),
+            "world_sizes": [b.group.world_size for b in sharded.buckets],
+        },
     }
     return {"tensors": {}, "meta": meta}
 

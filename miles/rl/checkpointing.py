@@ -22,7 +22,9 @@ from miles.resume import (
     restore_rng,
     write_run_state,
 )
+from miles.rl.sharded_checkpoint import load_optimizer_shards, move_into, save_optimizer_shards
 from miles.tracking import Tracker, read_records, redact
+from miles.trainer.sharded_trainer import META_KEY as SHARDED_META_KEY
 
 log = logging.getLogger("miles.rl")
 
@@ -36,17 +38,25 @@ def state_writer(
     engine: Any,
     wandb_run_id: str | None,
     dp: DataParallel,
+    run_dir: Path | None = None,
 ) -> Callable[[Path], None]:
     """What writes a checkpoint's resume state into its folder. Called on every rank: the engine states
-    and a tensor-parallel optimizer state are gathered here (collectives); rank 0 writes."""
+    and a tensor-parallel optimizer state are gathered here (collectives); rank 0 writes. A distributed
+    optimizer's shards are written here by every rank, under `run_dir` (miles/rl/sharded_checkpoint.py)."""
     engine_state = engine.state_dict()
     if dp.enabled:  # every rank's, written by rank 0
         engine_state = {"ranks": dp.all_gather_objects(engine_state)}
     # With tensor parallelism the optimizer state is gathered from the TP ranks, a collective: here, by the
     # TP group of rank 0 (the one that writes it).
     trainer_state = trainer.state_dict() if trainer.tp.enabled and trainer.dp.rank == 0 else None
+    staging = None
+    if getattr(trainer, "sharded", None) is not None:
+        assert run_dir is not None, "a distributed optimizer's shards are staged under the run folder"
+        staging = save_optimizer_shards(trainer.sharded, run_dir / "checkpoints", step, trainer.dp)
 
     def write(folder: Path) -> None:
+        if staging is not None:
+            move_into(staging, folder)
         draft_state = None
         if draft_trainer is not None:
             draft_trainer.save_weights(folder)
@@ -117,6 +127,9 @@ def resume_run(
     if trainer.model is not model:  # the megatron backend trains a copy of the weights
         trainer.model.load_from(model)
     trainer.load_state_dict(state.trainer)
+    if getattr(trainer, "sharded", None) is not None:  # this rank's slices of the saved shards
+        world_sizes = state.trainer["meta"][SHARDED_META_KEY]["world_sizes"]
+        load_optimizer_shards(trainer.sharded, folder, world_sizes, trainer.dp)
     if resize_to is not None:
         trainer.resize_schedule(resize_to)
     loader.load_state_dict(state.loader)

@@ -87,6 +87,7 @@ class RLParts:
             self.engine,
             wandb_run_id,
             self.dp,
+            self.run_dir,
         )
         if self.dp.is_main:
             model, tokenizer = self.inputs.model, self.inputs.tokenizer

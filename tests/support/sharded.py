@@ -71,3 +71,61 @@ def sharded_worker(rank: int, world: int, store: str, case: dict, out_dir: str) 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def resume_step(case: dict, dp: DataParallel, folder: Path, meta: dict) -> CausalLM:
+    """A fresh trainer resumed from `folder` (its weights, `meta` and the optimizer shards) takes the step
+    after the checkpoint's; returns its model."""
+    from safetensors.torch import load_file
+
+    from miles.rl.sharded_checkpoint import load_optimizer_shards
+
+    model = sharded_case_model(case)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    trainer = sharded_case_trainer(model, case, dp, True)
+    trainer.load_state_dict({"tensors": {}, "meta": meta})
+    load_optimizer_shards(trainer.sharded, folder, meta["distributed_optimizer"]["world_sizes"], dp)
+    trainer.train_step(dp.shard(case_steps(case, case["save_after"])))
+    return model
+
+
+def checkpoint_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> None:
+    """`save_after` steps, the distributed optimizer's checkpoint, one more step (the uninterrupted run);
+    then a fresh trainer resumed from the checkpoint takes that step again."""
+    import torch.distributed as dist
+
+    from miles.rl.sharded_checkpoint import move_into, save_optimizer_shards
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dp = DataParallel(rank=rank, world_size=world, local_rank=rank)
+        out = Path(out_dir)
+        model = sharded_case_model(case)
+        trainer = sharded_case_trainer(model, case, dp, True)
+        for i in range(case["save_after"]):
+            trainer.train_step(dp.shard(case_steps(case, i)))
+        folder = out / "checkpoint"
+        staging = save_optimizer_shards(trainer.sharded, out / "checkpoints", case["save_after"], dp)
+        meta = trainer.state_dict()["meta"]
+        if dp.is_main:
+            folder.mkdir()
+            move_into(staging, folder)
+            save_file(
+                {k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors")
+            )
+            (folder / "meta.json").write_text(json.dumps(meta))
+        dp.barrier()
+        trainer.train_step(dp.shard(case_steps(case, case["save_after"])))
+        resumed = resume_step(case, dp, folder, meta)
+        if dp.is_main:
+            save_file(
+                {k: v.contiguous() for k, v in model.state_dict().items()},
+                str(out / "uninterrupted.safetensors"),
+            )
+            save_file(
+                {k: v.contiguous() for k, v in resumed.state_dict().items()}, str(out / "resumed.safetensors")
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

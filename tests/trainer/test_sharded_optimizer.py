@@ -13,7 +13,14 @@ from safetensors.torch import load_file
 from miles.config import TrainerConfig
 from miles.distributed import SINGLE
 from miles.errors import MilesUserError
-from tests.support.sharded import case_steps, sharded_case_model, sharded_case_trainer, sharded_worker
+from tests.support.sharded import (
+    case_steps,
+    checkpoint_worker,
+    resume_step,
+    sharded_case_model,
+    sharded_case_trainer,
+    sharded_worker,
+)
 
 CASES = {
     # a tiny MoE (experts no token of a rank reaches), a step without loss tokens (skipped), clipping on
@@ -80,3 +87,31 @@ def test_distributed_optimizer_checkpoint_kind_is_checked() -> None:
     with pytest.raises(MilesUserError, match="layout differs"):
         other.load_state_dict(sharded.state_dict())
     assert TrainerConfig().distributed_optimizer is False
+
+
+def test_sharded_checkpoint_resumes_into_the_same_run(tmp_path: Path) -> None:
+    """Each of 2 ranks writes its shards (torch.distributed.checkpoint); a fresh 2-rank trainer resumed
+    from them repeats the next update bit for bit, and one process (another data-parallel size) resumes
+    from them too, to float rounding."""
+    case = {"num_experts": 8, "save_after": 2, "steps": 3}
+    mp.start_processes(
+        checkpoint_worker,
+        args=(2, str(tmp_path / "store"), case, str(tmp_path)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    folder = tmp_path / "checkpoint"
+    assert sorted(p.name for p in (folder / "optimizer_shards").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]  # one file a rank: nothing gathered to rank 0
+    assert not list((tmp_path / "checkpoints").glob(".optimizer_shards_*"))  # the staging folder moved
+    uninterrupted = load_file(str(tmp_path / "uninterrupted.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed.safetensors"))
+    for key, want in uninterrupted.items():
+        assert torch.equal(resumed[key], want), key
+    meta = json.loads((folder / "meta.json").read_text())
+    single = resume_step(case, SINGLE, folder, meta)
+    for key, got in single.state_dict().items():
+        torch.testing.assert_close(got, uninterrupted[key], atol=1e-6, rtol=0, msg=key)
