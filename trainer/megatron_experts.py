@@ -9,7 +9,8 @@ what `SequentialMLP` computes: per expert `fc2(silu(gate) * up * prob)`, the pro
 activation as megatron's MLP applies `per_token_scale`.
 
 Its weights are the engine model's layout (`weight1` [E, 2I, H] is gate then up, `weight2` [E, H, I]), so
-the weight sync copies them without stacking.
+the weight sync copies them without stacking. With expert parallelism E is this rank's experts; with expert
+tensor parallelism I is this rank's slice of each expert's intermediate dimension (gate and up alike).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class GroupedExperts(MegatronModule):
         super().__init__(config=config)
         if config.add_bias_linear:
             raise ValueError("GroupedExperts has no expert biases")
-        hidden, inter = config.hidden_size, config.moe_ffn_hidden_size
+        # expert tensor parallelism: each rank holds a slice of every local expert's intermediate dimension;
+        # the dispatcher sums the slices' fc2 outputs over those ranks
+        hidden, inter = config.hidden_size, config.moe_ffn_hidden_size // _expert_tp_size()
         self.num_local_experts = num_local_experts
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, 2 * inter, hidden))
         self.weight2 = nn.Parameter(torch.empty(num_local_experts, hidden, inter))
@@ -53,6 +56,14 @@ class GroupedExperts(MegatronModule):
             outs.append(F.linear((F.silu(gate) * up * probs[rows].unsqueeze(-1)).to(dtype), w2_e))
             start += count
         return torch.cat(outs, dim=0) if outs else x.new_zeros(x.shape), None
+
+
+def _expert_tp_size() -> int:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_expert_tensor_parallel_world_size()
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

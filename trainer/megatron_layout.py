@@ -173,11 +173,61 @@ def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-_PARTIAL_GRADIENT = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+_PARTIAL_GRADIENT = (
+    "self_attention.q_layernorm.weight",
+    "self_attention.k_layernorm.weight",
+    "mlp.router.weight",
+)
 
 
 def tp_partial_gradient(name: str) -> bool:
     """Whether a whole (unsplit) parameter's gradient is only this TP rank's share: the q/k norms' weights are
-    applied to every head, and each rank holds some of the heads."""
+    applied to every head, and each rank holds some of the heads; a router sees only this rank's slice of the
+    tokens (the MoE layer runs sequence-split under TP, megatron_parallel.py)."""
     match = _MEGATRON_LAYER.match(name)
     return match is not None and match.group(2) in _PARTIAL_GRADIENT
+
+
+# Expert parallelism: the stacked experts [E, ...] split by expert over the EP ranks, and each expert's
+# intermediate dimension over the expert-TP ranks (fc1 [E, 2I, H] gate and up separately, fc2 [E, H, I]).
+_EXPERT_SPLIT = {"mlp.experts.weight1": (1, True), "mlp.experts.weight2": (2, False)}
+
+
+def is_expert(name: str) -> bool:
+    """Whether megatron parameter `name` is a stacked expert weight (split by expert parallelism)."""
+    match = _MEGATRON_LAYER.match(name)
+    return match is not None and match.group(2) in _EXPERT_SPLIT
+
+
+def expert_shard(
+    name: str, full: torch.Tensor, ep_rank: int, ep: int, etp_rank: int, etp: int
+) -> torch.Tensor:
+    """The part of a whole stacked expert weight that expert-parallel rank `ep_rank` and expert-TP rank
+    `etp_rank` hold: its experts, and of each its share of the intermediate dimension."""
+    inner = _MEGATRON_LAYER.match(name).group(2)  # type: ignore[union-attr]
+    dim, gated = _EXPERT_SPLIT[inner]
+    if full.shape[0] % ep or full.shape[dim] % (2 * etp if gated else etp):
+        raise ValueError(f"{name}: {tuple(full.shape)} does not split over EP={ep} x expert-TP={etp}")
+    part = full.chunk(ep, dim=0)[ep_rank]
+    if etp == 1:
+        return part
+    if gated:
+        gate, up = part.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(etp, dim=dim)[etp_rank], up.chunk(etp, dim=dim)[etp_rank]], dim=dim)
+    return part.chunk(etp, dim=dim)[etp_rank]
+
+
+def expert_unshard(name: str, parts: dict[tuple[int, int], torch.Tensor], ep: int, etp: int) -> torch.Tensor:
+    """The whole stacked expert weight from every (EP rank, expert-TP rank)'s part (the inverse of
+    `expert_shard`)."""
+    inner = _MEGATRON_LAYER.match(name).group(2)  # type: ignore[union-attr]
+    dim, gated = _EXPERT_SPLIT[inner]
+    rows = []
+    for ep_rank in range(ep):
+        shards = [parts[(ep_rank, t)] for t in range(etp)]
+        if gated and etp > 1:
+            gates, ups = zip(*(shard.chunk(2, dim=dim) for shard in shards))
+            rows.append(torch.cat([*gates, *ups], dim=dim))
+        else:
+            rows.append(torch.cat(shards, dim=dim))
+    return torch.cat(rows, dim=0)

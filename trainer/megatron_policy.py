@@ -20,10 +20,12 @@ megatron_layout.py), with the checksum proving both sides agree after every step
 
 The same code runs on CPU (CI, debugging) and CUDA: megatron-core's CUDA-only paths (its causal mask, RoPE
 table and router gating, which moves the router weight to the current GPU) are among those replaced.
-Tensor parallelism (`tensor_parallel`, dense models): megatron's parallel layers hold this rank's parts;
-`load_from` splits whole weights, `gather`/`engine_weights` put them back together, and the LM head's
-logprobs are vocabulary-parallel (vocab_parallel.py). Pipeline and expert parallelism are not wired;
-replicas are data-parallel as with the torch backend.
+Tensor parallelism (`tensor_parallel`): megatron's parallel layers hold this rank's parts; `load_from`
+splits whole weights, `gather`/`engine_weights` put them back together, and the LM head's logprobs are
+vocabulary-parallel (vocab_parallel.py). Expert parallelism (`expert_parallel`) and expert tensor parallelism
+split the stacked experts over ranks through megatron's all-to-all dispatcher; MoE layers under TP run on a
+slice of the tokens; routing replay goes through the routers (megatron_parallel.py). Pipeline parallelism is
+not wired; replicas are data-parallel as with the torch backend.
 """
 
 from __future__ import annotations
@@ -48,12 +50,26 @@ from miles.models.layers import RotaryEmbedding
 from miles.models.model import ForwardOutput
 from miles.trainer.megatron_experts import GroupedExperts
 from miles.trainer.megatron_layout import (
+    expert_shard,
+    expert_unshard,
     from_megatron,
+    is_expert,
     to_megatron,
     tp_partial_gradient,
     tp_partition,
     tp_shard,
     tp_unshard,
+)
+from miles.trainer.megatron_parallel import (
+    ParallelSizes,
+    RoutingState,
+    build_alltoall_dispatcher_on_cpu,
+    check_parallel_sizes,
+    cpu_dispatcher,
+    install_cpu_collectives,
+    install_routing,
+    moe_layer_indices,
+    split_moe_over_tp,
 )
 from miles.trainer.vocab_parallel import check_token_ids
 
@@ -105,11 +121,6 @@ def check_megatron_supports(args: ModelArgs, tensor_parallel: int = 1) -> None:
             "trainer.backend=torch"
         )
     if tensor_parallel > 1:
-        if args.num_experts:
-            raise MilesUserError(
-                "trainer.tensor_parallel_size > 1 covers dense models; MoE models train with "
-                "trainer.tensor_parallel_size=1 (data parallelism over placement.num_processes)"
-            )
         sizes = {
             "num_attention_heads": args.num_attention_heads,
             "num_key_value_heads": args.num_key_value_heads,
@@ -123,13 +134,19 @@ def check_megatron_supports(args: ModelArgs, tensor_parallel: int = 1) -> None:
             )
 
 
-def ensure_process_groups(device: torch.device, tensor_parallel: int = 1) -> None:
+def ensure_process_groups(
+    device: torch.device,
+    tensor_parallel: int = 1,
+    sizes: ParallelSizes | None = None,
+    args: ModelArgs | None = None,
+) -> None:
     """megatron-core needs torch.distributed and its model-parallel groups, even in one process.
 
     A run of several processes (miles/distributed/) has its process group already; one process gets a
     world of one over a file store (no port to pick). Megatron's groups: `tensor_parallel` consecutive ranks
-    share one model replica; pipeline and expert sizes are 1.
+    share one model replica; `sizes.expert` x `sizes.etp` ranks split the experts; pipeline size is 1.
     """
+    sizes = sizes or ParallelSizes(tensor=tensor_parallel)
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -146,16 +163,21 @@ def ensure_process_groups(device: torch.device, tensor_parallel: int = 1) -> Non
             f"trainer.tensor_parallel_size={tensor_parallel} must divide the {dist.get_world_size()} processes "
             "(placement.num_processes)"
         )
+    if args is not None:
+        check_parallel_sizes(args, dist.get_world_size(), sizes)
     if parallel_state.model_parallel_is_initialized() and (
         parallel_state.get_data_parallel_world_size() * tensor_parallel != dist.get_world_size()
         or parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
+        or parallel_state.get_expert_model_parallel_world_size() != sizes.expert
+        or parallel_state.get_expert_tensor_parallel_world_size() != sizes.etp
     ):
-        parallel_state.destroy_model_parallel()  # groups of an earlier process group or TP size
+        parallel_state.destroy_model_parallel()  # groups of an earlier process group or other sizes
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=1,
-            expert_model_parallel_size=1,
+            expert_model_parallel_size=sizes.expert,
+            expert_tensor_parallel_size=sizes.etp,
         )
     if device.type == "cuda":
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
@@ -230,8 +252,13 @@ class PackedCoreAttention(MegatronModule):
 
 
 def transformer_config(
-    args: ModelArgs, dtype: torch.dtype, device: torch.device, tensor_parallel: int = 1
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    tensor_parallel: int = 1,
+    sizes: ParallelSizes | None = None,
 ) -> TransformerConfig:
+    sizes = sizes or ParallelSizes(tensor=tensor_parallel)
     moe: dict[str, Any] = {}
     if args.num_experts:
         moe = dict(
@@ -247,9 +274,11 @@ def transformer_config(
             # autocast handling, so under bf16 autocast its backward would mix dtypes otherwise
             moe_router_dtype="fp32",
             moe_aux_loss_coeff=0.0,
-            # alltoall creates CUDA streams when it is built; with one expert rank both only permute
-            moe_token_dispatcher_type="alltoall" if device.type == "cuda" else "allgather",
+            # all-to-all over the EP ranks, with variable token counts per rank (CPU: megatron_parallel.py)
+            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
+            expert_model_parallel_size=sizes.expert,
+            expert_tensor_parallel_size=sizes.etp,
         )
     return TransformerConfig(
         num_layers=args.num_hidden_layers,
@@ -321,13 +350,25 @@ class MegatronPolicy(nn.Module):
     """A megatron-core GPTModel with the interface `PolicyTrainer` and `packed_logprobs` use."""
 
     def __init__(
-        self, args: ModelArgs, dtype: torch.dtype, device: torch.device, tensor_parallel: int = 1
+        self,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        device: torch.device,
+        tensor_parallel: int = 1,
+        expert_parallel: int = 1,
+        expert_tensor_parallel: int | None = None,
     ) -> None:
         super().__init__()
         require_megatron()
         check_megatron_supports(args, tensor_parallel)
-        ensure_process_groups(device, tensor_parallel)
+        sizes = ParallelSizes(tensor_parallel, expert_parallel, expert_tensor_parallel)
+        if not args.num_experts:
+            sizes = ParallelSizes(tensor_parallel, expert_parallel, expert_tensor_parallel or 1)
+        ensure_process_groups(device, tensor_parallel, sizes, args)
+        if args.num_experts:
+            install_cpu_collectives(device, sizes)
         self.args = args
+        self.sizes = sizes
         self.tensor_parallel_size = tensor_parallel
         self.tensor_parallel_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tensor_parallel_group = (
@@ -335,25 +376,61 @@ class MegatronPolicy(nn.Module):
         )
         """The ranks that hold the parts of this replica (None: the whole model is here)."""
         self.data_parallel_group = parallel_state.get_data_parallel_group()
+        self.expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
+        """The ranks holding the same experts (on other data), over which expert gradients sum."""
+        self.expert_group = (
+            parallel_state.get_expert_tensor_and_model_parallel_group() if sizes.experts_split else None
+        )
+        """The ranks holding the other parts of the experts (EP x expert-TP; None: whole experts here)."""
+        self.lockstep = sizes.experts_split
+        """Whether every forward (and backward) is a collective across ranks training on different samples
+        (the experts' all-to-all): each rank must then run as many micro-batches as the others."""
+        self._expert_coords: list[tuple[int, int]] = []
+        if self.expert_group is not None:
+            import torch.distributed as dist
+
+            mine = (
+                parallel_state.get_expert_model_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_rank(),
+            )
+            self._expert_coords = [None] * self.expert_group.size()  # type: ignore[list-item]
+            dist.all_gather_object(self._expert_coords, mine, group=self.expert_group)
         # The vocabulary splits evenly over the TP ranks once padded with rows no token uses (megatron's
         # `make_vocab_size_divisible_by`); the padding never leaves the policy: logprobs mask it, and the
         # weights and optimizer state it gathers are cut back to the model's vocabulary.
         self.padded_vocab_size = -(-args.vocab_size // tensor_parallel) * tensor_parallel
         self._packing = PackedState()
-        with warnings.catch_warnings():  # per-layer deprecation notes about megatron's own argument defaults
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.gpt = GPTModel(
-                config=transformer_config(args, dtype, device, tensor_parallel),
-                transformer_layer_spec=_layer_specs(args, self._packing),
-                vocab_size=self.padded_vocab_size,
-                max_sequence_length=args.max_position_embeddings,
-                position_embedding_type="rope",
-                rotary_base=int(args.rope_theta),
-                share_embeddings_and_output_weights=args.tie_word_embeddings,
-            )
+        self._routing = RoutingState()
+
+        def build() -> GPTModel:
+            with (
+                warnings.catch_warnings()
+            ):  # per-layer deprecation notes about megatron's own argument defaults
+                warnings.simplefilter("ignore", DeprecationWarning)
+                warnings.simplefilter(
+                    "ignore", UserWarning
+                )  # EP x TP without megatron's sequence parallelism
+                return GPTModel(
+                    config=transformer_config(args, dtype, device, tensor_parallel, sizes),
+                    transformer_layer_spec=_layer_specs(args, self._packing),
+                    vocab_size=self.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    position_embedding_type="rope",
+                    rotary_base=int(args.rope_theta),
+                    share_embeddings_and_output_weights=args.tie_word_embeddings,
+                )
+
+        self.gpt = build_alltoall_dispatcher_on_cpu(build) if device.type == "cpu" else build()
+        moe_index = moe_layer_indices(args)
         for module in self.gpt.modules():
             if hasattr(module, "gating") and hasattr(module, "routing"):  # megatron's MoE routers
                 module.gating = types.MethodType(_float32_gating, module)
+                install_routing(module, moe_index[module.layer_number], args, self._routing)
+            if hasattr(module, "token_dispatcher") and hasattr(module, "experts"):  # megatron's MoE layers
+                if device.type == "cpu":
+                    cpu_dispatcher(module.token_dispatcher)
+                if tensor_parallel > 1:
+                    split_moe_over_tp(module, self.tensor_parallel_group, self._routing)
         # Megatron's local-spec norms are built in float32 whatever `params_dtype` says (its Float16Module
         # casts them in megatron's own training loop): held in the model's dtype, as the engine runs them.
         for param in self.gpt.parameters():
@@ -363,9 +440,17 @@ class MegatronPolicy(nn.Module):
         self.to(device)
 
     @classmethod
-    def from_model(cls, model: CausalLM, tensor_parallel: int = 1) -> MegatronPolicy:
-        """A megatron copy of `model`'s weights (this TP rank's parts), on its device and in its dtype."""
-        policy = cls(model.args, model.dtype, model.device, tensor_parallel)
+    def from_model(
+        cls,
+        model: CausalLM,
+        tensor_parallel: int = 1,
+        expert_parallel: int = 1,
+        expert_tensor_parallel: int | None = None,
+    ) -> MegatronPolicy:
+        """A megatron copy of `model`'s weights (this rank's parts), on its device and in its dtype."""
+        policy = cls(
+            model.args, model.dtype, model.device, tensor_parallel, expert_parallel, expert_tensor_parallel
+        )
         policy.load_from(model)
         return policy
 
@@ -398,12 +483,44 @@ class MegatronPolicy(nn.Module):
         return from_megatron(named, self.args)
 
     def is_sharded(self, name: str) -> bool:
-        """Whether TP ranks hold different parts of megatron parameter `name` (else the same whole tensor)."""
-        return self.tensor_parallel_size > 1 and tp_partition(name.removeprefix("gpt.")) is not None
+        """Whether ranks hold different parts of megatron parameter `name` (TP-split, or an expert weight split
+        by expert parallelism / expert-TP), else the same whole tensor."""
+        name = name.removeprefix("gpt.")
+        if is_expert(name):
+            return self.sizes.experts_split
+        return self.tensor_parallel_size > 1 and tp_partition(name) is not None
+
+    def gradient_groups(self, name: str) -> tuple[Any, Any]:
+        """(the group its gradient sums over, the group holding its other parts or None) for parameter `name`.
+
+        For the trainer's gradient sum and clipping, and any sharded optimizer: a dense parameter's gradient
+        sums over megatron's data-parallel group, an expert weight's over the expert-data-parallel group (the
+        ranks holding the same experts); a split parameter's squared norm sums over the second group (the TP
+        group, or the EP x expert-TP group for experts), a whole one counts once. q/k norms' and routers'
+        gradients are first summed over TP (`reduce_tensor_parallel_gradients`)."""
+        if is_expert(name.removeprefix("gpt.")):
+            return self.expert_data_parallel_group, self.expert_group
+        return self.data_parallel_group, self.tensor_parallel_group if self.is_sharded(name) else None
+
+    def gradient_reduction_group(self, name: str) -> Any:
+        """The group parameter `name`'s gradient sums over when it is not megatron's data-parallel group (an
+        expert weight split by expert parallelism: the expert-data-parallel group), else None."""
+        group, _ = self.gradient_groups(name)
+        return None if group is self.data_parallel_group else group
 
     def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        """This TP rank's part of a whole tensor laid out like megatron parameter `name`."""
+        """This rank's part of a whole tensor laid out like megatron parameter `name`."""
         name = name.removeprefix("gpt.")  # the policy's own parameter names carry its submodule's
+        if is_expert(name):
+            ep_rank, etp_rank = (
+                (
+                    parallel_state.get_expert_model_parallel_rank(),
+                    parallel_state.get_expert_tensor_parallel_rank(),
+                )
+                if self.sizes.experts_split
+                else (0, 0)
+            )
+            return expert_shard(name, whole, ep_rank, self.sizes.expert, etp_rank, self.sizes.etp)
         pad = self.padded_vocab_size - self.args.vocab_size
         if pad and name in _VOCAB_PARAMETERS and whole.dim():
             whole = torch.cat([whole, whole.new_zeros(pad, *whole.shape[1:])])
@@ -422,11 +539,17 @@ class MegatronPolicy(nn.Module):
                 dist.all_reduce(grad, group=self.tensor_parallel_group)
 
     def gather(self, name: str, part: torch.Tensor) -> torch.Tensor:
-        """The whole tensor from every TP rank's `part` of parameter `name` (a collective of the TP group)."""
+        """The whole tensor from every rank's `part` of parameter `name` (a collective of the TP group, or for
+        an expert weight of the EP x expert-TP group)."""
         if not self.is_sharded(name):
             return part
         import torch.distributed as dist
 
+        if is_expert(name.removeprefix("gpt.")):
+            parts = [torch.empty_like(part) for _ in range(self.expert_group.size())]
+            dist.all_gather(parts, part.contiguous(), group=self.expert_group)
+            placed = dict(zip(self._expert_coords, parts))
+            return expert_unshard(name.removeprefix("gpt."), placed, self.sizes.expert, self.sizes.etp)
         parts = [torch.empty_like(part) for _ in range(self.tensor_parallel_size)]
         dist.all_gather(parts, part.contiguous(), group=self.tensor_parallel_group)
         name = name.removeprefix("gpt.")
@@ -455,15 +578,28 @@ class MegatronPolicy(nn.Module):
         attn: AttentionContext,
         routing: RoutingTrace | None = None,
     ) -> ForwardOutput:
-        """N tokens of packed sequences ([N] ids and positions) -> final-norm hidden states [N, hidden]."""
-        if routing is not None:
-            raise MilesUserError("trainer.routing_replay is not available with trainer.backend=megatron")
+        """N tokens of packed sequences ([N] ids and positions) -> final-norm hidden states [N, hidden].
+
+        `routing` (MoE): `replay` [num_moe_layers, N, top_k] routes each token through those experts;
+        `record` returns the experts used as `ForwardOutput.routing` [num_moe_layers, N, top_k] (ascending
+        ids per token, where the engine's are in score order)."""
         # an id past the vocabulary would look up a zero padding row, or none, on a TP rank: refused
         check_token_ids(input_ids, self.args.vocab_size, "input")
         self._packing.attention = attn
+        replay = routing.replay if routing is not None else None
+        self._routing.replay = replay
+        self._routing.recorded = {} if routing is not None and routing.record else None
         inv_freq = self.rotary.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         rotary = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # megatron's [s, 1, 1, d] angles
-        hidden = self.gpt.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [N, 1, H]
-        hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
-        return ForwardOutput(hidden=hidden[:, 0])
+        try:
+            hidden = self.gpt.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [N, 1, H]
+            hidden = self.gpt.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary)
+        finally:
+            # the replay stays set until the next forward: a layer recomputed in the backward replays it too
+            recorded, self._routing.recorded = self._routing.recorded, None
+        stacked = None
+        if recorded:
+            stacked = torch.stack([recorded[i] for i in sorted(recorded)])
+            routing.recorded.extend(stacked.unbind(0))  # type: ignore[union-attr]
+        return ForwardOutput(hidden=hidden[:, 0], routing=stacked)
