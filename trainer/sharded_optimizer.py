@@ -181,7 +181,9 @@ class ShardedAdamW:
         import torch.distributed as dist
 
         out = torch.empty(bucket.shard, dtype=torch.float32, device=bucket.grad.device)
-        dist.reduce_scatter_tensor(out, bucket.grad, group=group.group)
+        # (torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        reduce_scatter(out, bucket.grad, group=group.group)
         bucket.grad = None  # the whole-layout buffer is not needed past this point
         return out, with_grad
 
@@ -255,7 +257,8 @@ class ShardedAdamW:
             import torch.distributed as dist
 
             flat = torch.empty(bucket.shard * group.world_size, dtype=bucket.dtype, device=local.device)
-            dist.all_gather_into_tensor(flat, local, group=group.group)
+            all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+            all_gather(flat, local, group=group.group)
         else:
             flat = local
         for seg in bucket.segments:

@@ -115,3 +115,39 @@ def test_sharded_checkpoint_resumes_into_the_same_run(tmp_path: Path) -> None:
     single = resume_step(case, SINGLE, folder, meta)
     for key, got in single.state_dict().items():
         torch.testing.assert_close(got, uninterrupted[key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_miles_train_with_the_distributed_optimizer_resumes_on_another_process_count(tmp_path: Path) -> None:
+    """`miles train` on 2 processes with the distributed optimizer and full recomputation writes its shards
+    into each checkpoint; one process resumes from step 1 and repeats step 2 (to float rounding: the
+    gradients sum in another order)."""
+    from tests.support.cli import run_miles
+
+    common = [
+        "recipe=grpo_math",
+        "trainer.max_steps=2",
+        "trainer.save_every=1",
+        "trainer.eval_every=0",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "trainer.global_batch_size=8",
+        "rollout.deterministic=true",
+        "trainer.distributed_optimizer=true",
+        "trainer.recompute=full",
+    ]
+    two, one = tmp_path / "two", tmp_path / "one"
+    out = run_miles(tmp_path, *common, "placement.num_processes=2", run_dir=two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shards = two / "checkpoints" / "step_000001" / "optimizer_shards"
+    assert {p.name for p in shards.iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    resume = f"trainer.resume_from={two / 'checkpoints' / 'step_000001'}"
+    out = run_miles(tmp_path, *common, resume, run_dir=one)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want, got = (json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]) for run in (two, one))
+    assert got["step"] == want["step"] == 2
+    assert got["reward/mean"] == want["reward/mean"]
+    for key in ("train/loss", "train/grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    out = run_miles(tmp_path, *common, resume, "trainer.distributed_optimizer=false", run_dir=tmp_path / "x")
+    assert out.returncode != 0 and "trainer.distributed_optimizer=true" in out.stderr
