@@ -34,11 +34,6 @@ def check_memory_plan(config: Any) -> None:
                 "trainer.distributed_optimizer is the torch/megatron backends' sharded AdamW; DeepSpeed shards "
                 "its own (trainer.backend=deepspeed): set trainer.distributed_optimizer=false"
             )
-        if trainer.tensor_parallel_size > 1:
-            raise MilesUserError(
-                "trainer.distributed_optimizer with trainer.tensor_parallel_size > 1 is not supported yet; "
-                "use one of them"
-            )
         if config.placement.mode == "ray":
             raise MilesUserError(
                 "trainer.distributed_optimizer writes its checkpoint shards from every rank, which "

@@ -126,7 +126,7 @@ class PolicyTrainer:
         if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
             raise ValueError(FLOAT16_REFUSED)
         apply_recompute(model, cfg.recompute)
-        self.sharded = build_sharded_optimizer(model, cfg, self.dp, self.tp)
+        self.sharded = build_sharded_optimizer(model, cfg, self.dp, self.world)
         """`trainer.distributed_optimizer`: masters, moments and reduced gradients split over the data-parallel
         ranks (trainer/sharded_optimizer.py); the replicated AdamW below then holds no state."""
         self.zero = model.start(cfg, self.dp) if isinstance(model, DeepSpeedPolicy) else None

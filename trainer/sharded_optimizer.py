@@ -20,10 +20,10 @@ replace this project's loop (packing, loss denominators, clipping, LR schedule, 
 name). This one sits where the replicated AdamW sits in `PolicyTrainer`, so it serves the torch and megatron
 backends alike and, with 2 ranks, reproduces the replicated AdamW to float rounding (the tests check 1e-6).
 
-Each parameter's gradients are summed over the group `reduction_group(name)` gives (the data-parallel group
-by default): a policy whose expert parameters reduce over their own expert-data-parallel group passes that
-here. A parameter split across model-parallel ranks (tensor or expert parallel) would need the global norm
-summed over those ranks as well; the trainer refuses that combination until it is wired.
+Model parallelism (megatron's tensor / expert parallelism) follows the policy's `gradient_groups(name)`
+(trainer/model_parallel.py): a parameter's gradient sums over, and its state is sliced over, its own
+data-parallel group (an expert weight's: the expert-data-parallel group), and the squared norm of a parameter
+split over ranks is summed over the group holding its other parts as well. Buckets never mix groups.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from torch.optim.adamw import adamw
 from miles.config import TrainerConfig
 from miles.distributed import DataParallel
 
-ReductionGroup = Callable[[str], DataParallel]
+GradientGroups = Callable[[str], tuple[DataParallel, DataParallel | None]]
+"""Parameter name -> (the ranks its gradient sums over, the ranks holding its other parts or None)."""
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Bucket:
     elements [rank * shard, (rank + 1) * shard) of the (padded) flat layout."""
 
     group: DataParallel
+    """The ranks holding the same parameters: the gradients sum over them and the state is sliced over them."""
+    parts: DataParallel | None
+    """The ranks holding the other parts of these (split) parameters, whose squared norms add; None: whole."""
     dtype: torch.dtype
     decays: bool
     """Matrices decay (trainer.optim.weight_decay); norms and biases (1-D) do not, as in build_optimizer."""
@@ -97,7 +101,7 @@ class ShardedAdamW:
         named_params: list[tuple[str, nn.Parameter]],
         cfg: TrainerConfig,
         dp: DataParallel,
-        reduction_group: ReductionGroup | None = None,
+        gradient_groups: GradientGroups | None = None,
     ) -> None:
         optim = cfg.optim
         if len(optim.betas) != 2:
@@ -108,33 +112,41 @@ class ShardedAdamW:
         self.betas = (float(optim.betas[0]), float(optim.betas[1]))
         self.weight_decay = float(optim.weight_decay)
         self.eps = float(optim.eps)
-        group_of = reduction_group or (lambda _name: dp)
+        groups_of = gradient_groups or (lambda _name: (dp, None))
         # Decayed matrices first, then norms and biases, as build_optimizer orders AdamW's groups.
         ordered = [(n, p) for n, p in named_params if p.ndim >= 2] + [
             (n, p) for n, p in named_params if p.ndim < 2
         ]
-        keyed: dict[tuple[int, torch.dtype, bool], list[tuple[str, nn.Parameter, DataParallel]]] = {}
+        keyed: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+        groups: dict[tuple, tuple[DataParallel, DataParallel | None]] = {}
         for name, param in ordered:
-            group = group_of(name)
-            key = (id(group.group) if group.enabled else -1, param.dtype, param.ndim >= 2)
-            keyed.setdefault(key, []).append((name, param, group))
-        self.buckets = [self._bucket(items, decays) for (_, _, decays), items in keyed.items()]
+            group, parts = groups_of(name)
+            key = (id(group.group), id(parts.group) if parts else None, param.dtype, param.ndim >= 2)
+            keyed.setdefault(key, []).append((name, param))
+            groups[key] = (group, parts)
+        self.buckets = [self._bucket(items, *groups[key], key[3]) for key, items in keyed.items()]
         self._place = {id(s.param): (b, s) for b in self.buckets for s in b.segments}
         self.steps: dict[str, int] = {name: 0 for name, _ in named_params}
         """AdamW steps each parameter has taken (its bias correction)."""
         self.names = [name for name, _ in ordered]
         self._hooks = [p.register_post_accumulate_grad_hook(self._fold) for _, p in ordered]
 
-    def _bucket(self, items: list[tuple[str, nn.Parameter, DataParallel]], decays: bool) -> Bucket:
-        group = items[0][2]
+    def _bucket(
+        self,
+        items: list[tuple[str, nn.Parameter]],
+        group: DataParallel,
+        parts: DataParallel | None,
+        decays: bool,
+    ) -> Bucket:
         segments, offset = [], 0
-        for name, param, _ in items:
+        for name, param in items:
             segments.append(Segment(name, param, offset, param.numel()))
             offset += param.numel()
         shard = math.ceil(offset / group.world_size)
         device = items[0][1].device
         bucket = Bucket(
             group=group,
+            parts=parts,
             dtype=items[0][1].dtype,
             decays=decays,
             segments=segments,
@@ -154,12 +166,25 @@ class ShardedAdamW:
         if param.grad is None:
             return
         bucket, seg = self._place[id(param)]
-        if bucket.grad is None:
-            world = bucket.group.world_size
-            bucket.grad = torch.zeros(bucket.shard * world, dtype=torch.float32, device=param.device)
-        bucket.grad[seg.offset : seg.offset + seg.numel].add_(param.grad.reshape(-1))
+        self._grad_buffer(bucket)[seg.offset : seg.offset + seg.numel].add_(param.grad.reshape(-1))
         bucket.has_grad.add(seg.name)
         param.grad = None
+
+    def named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter's summed gradient so far (a view of its bucket's buffer, zeros where none came):
+        for a policy's own reductions before `step` (tensor-parallel partial gradients)."""
+        named = []
+        for bucket in self.buckets:
+            grad = self._grad_buffer(bucket)
+            for seg in bucket.segments:
+                named.append((seg.name, grad[seg.offset : seg.offset + seg.numel].view(seg.param.shape)))
+        return named
+
+    def _grad_buffer(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.grad is None:
+            world = bucket.group.world_size
+            bucket.grad = torch.zeros(bucket.shard * world, dtype=torch.float32, device=bucket.master.device)
+        return bucket.grad
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -172,18 +197,15 @@ class ShardedAdamW:
         flags = [float(s.name in bucket.has_grad) for s in bucket.segments]
         anywhere = group.all_reduce_floats(flags, "max") if group.enabled else flags
         with_grad = {s.name for s, flag in zip(bucket.segments, anywhere) if flag}
-        if bucket.grad is None:
-            bucket.grad = torch.zeros(
-                bucket.shard * group.world_size, dtype=torch.float32, device=bucket.master.device
-            )
+        grad = self._grad_buffer(bucket)
         if not group.enabled:
-            return bucket.grad, with_grad
+            return grad, with_grad
         import torch.distributed as dist
 
         out = torch.empty(bucket.shard, dtype=torch.float32, device=bucket.grad.device)
         # (torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single)
         reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        reduce_scatter(out, bucket.grad, group=group.group)
+        reduce_scatter(out, grad, group=group.group)
         bucket.grad = None  # the whole-layout buffer is not needed past this point
         return out, with_grad
 
@@ -198,6 +220,8 @@ class ShardedAdamW:
         for bucket, (grad, _) in zip(self.buckets, reduced):
             local = grad.double().square().sum().reshape(1)
             bucket.group.all_reduce(local)
+            if bucket.parts is not None:  # every rank runs the buckets' collectives in one order
+                bucket.parts.all_reduce(local)
             squares += local[0]
         total = squares.sqrt().float()
         grad_norm = total.item()
@@ -288,6 +312,13 @@ class ShardedAdamW:
             }
             for b in self.buckets
         ]
+
+    def cut(self, world_size: int) -> dict[str, Any]:
+        """How the state is sliced (JSON-able), with `world_size` processes in all: the slices' group sizes, and
+        whether every bucket is sliced over all of them, whole (then any data-parallel size can read them)."""
+        sizes = [b.group.world_size for b in self.buckets]
+        whole = all(size == world_size and b.parts is None for size, b in zip(sizes, self.buckets))
+        return {"world_sizes": sizes, "world": world_size, "reshardable": whole}
 
     def shard_tensors(self) -> Iterator[tuple[str, Bucket, torch.Tensor]]:
         """(key, bucket, this rank's slice) of every state tensor: masters and both moments."""

@@ -20,35 +20,39 @@ META_KEY = "distributed_optimizer"
 
 
 def build_sharded_optimizer(
-    model: nn.Module, cfg: TrainerConfig, dp: DataParallel, tp: DataParallel
+    model: nn.Module, cfg: TrainerConfig, dp: DataParallel, world: DataParallel
 ) -> ShardedAdamW | None:
     """The distributed optimizer over `model`'s trainable parameters when `trainer.distributed_optimizer`.
 
-    A policy may name another reduction group for some parameters (expert-data-parallel experts) through
-    `model.gradient_reduction_group(name) -> process group | None` (None: the data-parallel group)."""
+    `dp` is the replicas' group (dense gradients sum over it), `world` every rank. A policy split over ranks
+    (megatron TP / EP) names each parameter's groups through `model.gradient_groups(name) -> (sum group,
+    parts group or None)` (trainer/model_parallel.py); a whole model is sliced over `dp`."""
     if not cfg.distributed_optimizer:
         return None
-    if tp.enabled:
-        raise MilesUserError(
-            "trainer.distributed_optimizer with trainer.tensor_parallel_size > 1 is not supported yet (the "
-            "global gradient norm would need summing over the tensor-parallel ranks); use one of them"
-        )
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    pick = getattr(model, "gradient_reduction_group", None)
-    groups: dict[int, DataParallel] = {}
+    split = getattr(model, "gradient_groups", None)
+    if split is None:
+        return ShardedAdamW(named, cfg, dp)
+    handles: dict[int, DataParallel] = {}
 
-    def reduction_group(name: str) -> DataParallel:
-        group = pick(name) if pick is not None else None
-        if group is None:
+    def handle(group: Any) -> DataParallel:
+        # the trainer's own handle for its replicas' group, so dense buckets use `dp` itself
+        if group is getattr(model, "data_parallel_group", None) or group is dp.group:
             return dp
-        return groups.setdefault(id(group), dp.within(group))
+        return handles.setdefault(id(group), world.within(group))
 
-    return ShardedAdamW(named, cfg, dp, reduction_group)
+    def groups_of(name: str) -> tuple[DataParallel, DataParallel | None]:
+        group, parts = split(name)
+        return handle(group), None if parts is None else handle(parts)
+
+    return ShardedAdamW(named, cfg, dp, groups_of)
 
 
 def sharded_update(trainer: Any, skip: bool) -> dict[str, float]:
     """One optimizer step of `trainer` (a PolicyTrainer) through its distributed optimizer."""
     lr = trainer.lr
+    if trainer.tp.enabled:  # q/k norms' and routers' partial gradients, summed over TP first
+        trainer.model.reduce_tensor_parallel_gradients(trainer.sharded.named_grads())
     grad_norm, skipped = trainer.sharded.step(lr, trainer.cfg.optim.grad_clip, skip)
     if skipped:
         logger.warning("skipping an optimizer step (grad norm %s, or no loss tokens)", grad_norm)
@@ -63,11 +67,8 @@ def sharded_state_dict(trainer: Any) -> dict[str, Any]:
     meta = {
         "optimizer_steps_done": trainer.optimizer_steps_done,
         "total_optimizer_steps": trainer.total_optimizer_steps,
-        META_KEY: {
-            "layout": sharded.layout(),
-            "steps": dict(sharded.steps),
-            "world_sizes": [b.group.world_size for b in sharded.buckets],
-        },
+        # the step counts travel with the shards (they may differ between expert-parallel ranks)
+        META_KEY: {"layout": sharded.layout(), **sharded.cut(trainer.world.world_size)},
     }
     return {"tensors": {}, "meta": meta}
 
@@ -87,8 +88,8 @@ def check_optimizer_kind(trainer: Any, meta: dict[str, Any]) -> None:
 
 
 def load_sharded_state_dict(trainer: Any, meta: dict[str, Any]) -> None:
-    """The schedule and step counts of `meta`; the masters restart from the (just loaded) model weights
-    until the shards are read."""
+    """The schedule of `meta`; the masters restart from the (just loaded) model weights until the shards
+    are read (miles/rl/sharded_checkpoint.py)."""
     sharded: ShardedAdamW = trainer.sharded
     saved = meta[META_KEY]
     if saved["layout"] != sharded.layout():
@@ -96,7 +97,6 @@ def load_sharded_state_dict(trainer: Any, meta: dict[str, Any]) -> None:
             "the checkpoint's distributed-optimizer layout differs from this run's (another model, trainable "
             "set, dtype or weight decay); resume with the settings it was saved with"
         )
-    sharded.steps = {name: int(n) for name, n in saved["steps"].items()}
     sharded.masters_from_model()
     trainer.optimizer_steps_done = int(meta["optimizer_steps_done"])
     total = meta.get("total_optimizer_steps")

@@ -52,7 +52,7 @@ def state_writer(
     staging = None
     if getattr(trainer, "sharded", None) is not None:
         assert run_dir is not None, "a distributed optimizer's shards are staged under the run folder"
-        staging = save_optimizer_shards(trainer.sharded, run_dir / "checkpoints", step, trainer.dp)
+        staging = save_optimizer_shards(trainer.sharded, run_dir / "checkpoints", step, trainer.world)
 
     def write(folder: Path) -> None:
         if staging is not None:
@@ -128,8 +128,8 @@ def resume_run(
         trainer.model.load_from(model)
     trainer.load_state_dict(state.trainer)
     if getattr(trainer, "sharded", None) is not None:  # this rank's slices of the saved shards
-        world_sizes = state.trainer["meta"][SHARDED_META_KEY]["world_sizes"]
-        load_optimizer_shards(trainer.sharded, folder, world_sizes, trainer.dp)
+        cut = state.trainer["meta"][SHARDED_META_KEY]
+        load_optimizer_shards(trainer.sharded, folder, cut, trainer.world)
     if resize_to is not None:
         trainer.resize_schedule(resize_to)
     loader.load_state_dict(state.loader)

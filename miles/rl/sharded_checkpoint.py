@@ -1,11 +1,15 @@
-"""The distributed optimizer's checkpoint: each rank writes its own shards (float32 master slices and AdamW
-moments) through `torch.distributed.checkpoint`, into `checkpoints/step_N/optimizer_shards/`.
+"""The distributed optimizer's checkpoint: each rank writes its own shards (float32 master slices, AdamW
+moments and step counts) through `torch.distributed.checkpoint`, into `checkpoints/step_N/optimizer_shards/`.
 
-Every rank writes its slices under keys of their own (`bucket<i>.<kind>.rank<r>`), so nothing is gathered
-to rank 0. The shards are written into a staging folder next to the checkpoints first; rank 0 moves it into
-the checkpoint folder before that folder is renamed into place, so a checkpoint appears whole or not at all.
-The flat layout does not depend on the number of ranks, only the slicing does: a resume with another
-data-parallel size reads, on each rank, the saved slices that overlap its new one.
+Nothing is gathered to rank 0: every rank writes its slices under keys of their own. The shards are written
+into a staging folder next to the checkpoints first; rank 0 moves it into the checkpoint folder before that
+folder is renamed into place, so a checkpoint appears whole or not at all.
+
+When every bucket is sliced over all the ranks (data parallelism alone) the keys name the slice
+(`bucket<i>.<kind>.rank<r>`) and the flat layout does not depend on the number of ranks: a resume with another
+data-parallel size reads, on each rank, the saved slices that overlap its new one. A model split by tensor or
+expert parallelism keys its slices by process (`.world<r>`) and resumes on the same process count and
+parallel sizes only (refused otherwise, with what to do).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,8 +29,12 @@ SHARDS_DIR = "optimizer_shards"
 _STAGING = ".optimizer_shards_step_{step:06d}.tmp"
 
 
-def _key(index: int, kind: str, rank: int) -> str:
-    return f"bucket{index}.{kind}.rank{rank}"
+def _reshardable(sharded: ShardedAdamW, world: DataParallel) -> bool:
+    return bool(sharded.cut(world.world_size)["reshardable"])
+
+
+def _tag(bucket: Bucket, world: DataParallel, reshardable: bool) -> str:
+    return f"rank{bucket.group.rank}" if reshardable else f"world{world.rank}"
 
 
 def _valid(numel: int, shard: int, rank: int) -> int:
@@ -33,39 +42,36 @@ def _valid(numel: int, shard: int, rank: int) -> int:
     return max(0, min(shard, numel - rank * shard))
 
 
-def _own_state(sharded: ShardedAdamW) -> dict[str, torch.Tensor]:
-    state = {}
-    for index, bucket in enumerate(sharded.buckets):
-        valid = _valid(bucket.numel, bucket.shard, bucket.group.rank)
-        if valid:
-            for kind, tensor in _kinds(bucket):
-                state[_key(index, kind, bucket.group.rank)] = tensor[:valid]
-    return state
-
-
 def _kinds(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
     return [("master", bucket.master), ("exp_avg", bucket.exp_avg), ("exp_avg_sq", bucket.exp_avg_sq)]
 
 
-def save_optimizer_shards(sharded: ShardedAdamW, checkpoints: Path, step: int, dp: DataParallel) -> Path:
-    """Write every rank's shards into a staging folder under `checkpoints` (a collective of `dp`); returns
-    it, for rank 0 to move into the checkpoint with `move_into`."""
+def _steps(sharded: ShardedAdamW, bucket: Bucket) -> torch.Tensor:
+    return torch.tensor([float(sharded.steps[s.name]) for s in bucket.segments], dtype=torch.float64)
+
+
+def save_optimizer_shards(sharded: ShardedAdamW, checkpoints: Path, step: int, world: DataParallel) -> Path:
+    """Write every rank's shards into a staging folder under `checkpoints` (a collective of all the ranks);
+    returns it, for rank 0 to move into the checkpoint with `move_into`."""
     import torch.distributed.checkpoint as dcp
 
-    if any(b.group.world_size != dp.world_size for b in sharded.buckets):
-        raise MilesUserError(
-            "saving a distributed optimizer whose parameters reduce over groups other than the data-parallel "
-            "one (expert parallelism) is not supported yet; use trainer.distributed_optimizer=false"
-        )
+    reshardable = _reshardable(sharded, world)
+    state: dict[str, torch.Tensor] = {}
+    for index, bucket in enumerate(sharded.buckets):
+        tag = _tag(bucket, world, reshardable)
+        valid = _valid(bucket.numel, bucket.shard, bucket.group.rank)
+        for kind, tensor in _kinds(bucket):
+            if valid:
+                state[f"bucket{index}.{kind}.{tag}"] = tensor[:valid].detach().cpu()
+        state[f"bucket{index}.steps.{tag}"] = _steps(sharded, bucket)
     staging = checkpoints / _STAGING.format(step=step)
-    if dp.is_main:  # what an earlier save cut short left behind
+    if world.is_main:  # what an earlier save cut short left behind
         checkpoints.mkdir(parents=True, exist_ok=True)
         for stale in checkpoints.glob(".optimizer_shards_step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-    dp.barrier()
-    state = {k: v.detach().cpu() for k, v in _own_state(sharded).items()}
-    dcp.save(state, checkpoint_id=str(staging), process_group=dp.group, no_dist=not dp.enabled)
-    dp.barrier()  # every rank's files are written before rank 0 moves the folder
+    world.barrier()
+    dcp.save(state, checkpoint_id=str(staging), process_group=world.group, no_dist=not world.enabled)
+    world.barrier()  # every rank's files are written before rank 0 moves the folder
     return staging
 
 
@@ -74,9 +80,10 @@ def move_into(staging: Path, folder: Path) -> None:
 
 
 def load_optimizer_shards(
-    sharded: ShardedAdamW, folder: Path, world_sizes: list[int], dp: DataParallel
+    sharded: ShardedAdamW, folder: Path, meta: dict[str, Any], world: DataParallel
 ) -> None:
-    """This rank's slices from the shards of `folder` (written by `world_sizes[i]` ranks for bucket i)."""
+    """This rank's slices and step counts from the shards of `folder`, cut as `meta` (`shards_meta`) says; then
+    the weights as the masters round to (a collective of all the ranks)."""
     import torch.distributed.checkpoint as dcp
 
     path = folder / SHARDS_DIR
@@ -85,24 +92,34 @@ def load_optimizer_shards(
             f"{folder} has no {SHARDS_DIR}/ (the distributed optimizer's state): it was not saved by a run "
             "with trainer.distributed_optimizer=true"
         )
-    if len(world_sizes) != len(sharded.buckets):
-        raise MilesUserError(f"{path} holds {len(world_sizes)} buckets, this run has {len(sharded.buckets)}")
+    sizes, now = meta["world_sizes"], [b.group.world_size for b in sharded.buckets]
+    reshardable = bool(meta["reshardable"]) and _reshardable(sharded, world)
+    if not reshardable and (meta["world"] != world.world_size or sizes != now):
+        raise MilesUserError(
+            f"{path} was written by {meta['world']} processes with the model split by tensor / expert "
+            f"parallelism (slices over {sizes} ranks); resume it with the same process count and parallel "
+            f"sizes (this run: {world.world_size} processes, slices over {now})"
+        )
     wanted: dict[str, torch.Tensor] = {}
-    plans = []  # (bucket, kind tensor, saved key, [lo, hi) in the flat layout)
-    for index, (bucket, saved_world) in enumerate(zip(sharded.buckets, world_sizes)):
+    copies = []  # (this rank's tensor, saved key, from, to, count)
+    for index, (bucket, saved_world) in enumerate(zip(sharded.buckets, sizes)):
         saved_shard = math.ceil(bucket.numel / saved_world)
         begin, end = bucket.begin, min(bucket.begin + bucket.shard, bucket.numel)
-        for rank in range(saved_world):
+        for rank in range(saved_world) if reshardable else [bucket.group.rank]:
             lo, hi = max(begin, rank * saved_shard), min(end, (rank + 1) * saved_shard)
-            if lo >= hi:
-                continue
-            for kind, tensor in _kinds(bucket):
-                key = _key(index, kind, rank)
+            tag = f"rank{rank}" if reshardable else f"world{world.rank}"
+            for kind, tensor in _kinds(bucket) if lo < hi else []:
+                key = f"bucket{index}.{kind}.{tag}"
                 wanted[key] = torch.empty(_valid(bucket.numel, saved_shard, rank), dtype=torch.float32)
-                plans.append((tensor, key, lo - rank * saved_shard, lo - begin, hi - lo))
-    dcp.load(wanted, checkpoint_id=str(path), process_group=dp.group, no_dist=not dp.enabled)
+                copies.append((tensor, key, lo - rank * saved_shard, lo - begin, hi - lo))
+        steps_key = f"bucket{index}.steps.{'rank0' if reshardable else f'world{world.rank}'}"
+        wanted[steps_key] = torch.empty(len(bucket.segments), dtype=torch.float64)
+    dcp.load(wanted, checkpoint_id=str(path), process_group=world.group, no_dist=not world.enabled)
     with torch.no_grad():
-        for tensor, key, src, dst, count in plans:
+        for tensor, key, src, dst, count in copies:
             tensor[dst : dst + count].copy_(wanted[key][src : src + count])
-        for bucket in sharded.buckets:
-            sharded.gather_into_model(bucket)  # the weights as the masters round to
+        for index, bucket in enumerate(sharded.buckets):
+            steps = wanted[f"bucket{index}.steps.{'rank0' if reshardable else f'world{world.rank}'}"]
+            for seg, count in zip(bucket.segments, steps.tolist()):
+                sharded.steps[seg.name] = int(count)
+            sharded.gather_into_model(bucket)

@@ -84,7 +84,7 @@ def resume_step(case: dict, dp: DataParallel, folder: Path, meta: dict) -> Causa
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     trainer = sharded_case_trainer(model, case, dp, True)
     trainer.load_state_dict({"tensors": {}, "meta": meta})
-    load_optimizer_shards(trainer.sharded, folder, meta["distributed_optimizer"]["world_sizes"], dp)
+    load_optimizer_shards(trainer.sharded, folder, meta["distributed_optimizer"], dp)
     trainer.train_step(dp.shard(case_steps(case, case["save_after"])))
     return model
 
@@ -126,6 +126,59 @@ def checkpoint_worker(rank: int, world: int, store: str, case: dict, out_dir: st
             save_file(
                 {k: v.contiguous() for k, v in resumed.state_dict().items()}, str(out / "resumed.safetensors")
             )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def split_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> None:
+    """One rank of a megatron trainer split over ranks (TP / EP, `tests.support.ep.sizes`), with the
+    replicated or the distributed AdamW: `steps` updates, then the whole weights (rank 0) and metrics."""
+    import copy
+
+    import torch.distributed as dist
+
+    from miles.trainer.backends import build_policy
+    from tests.support.dp import tiny_moe
+    from tests.support.ep import sizes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dp = DataParallel(rank=rank, world_size=world, local_rank=rank)
+        policy = build_policy("megatron", copy.deepcopy(tiny_moe()), **sizes(case))
+        trainer = sharded_case_trainer(policy, case, dp, case["distributed"])
+        steps = case.get("steps", 2)
+        metrics = [trainer.train_step(dp.shard(case_steps(case, i))) for i in range(steps)]
+        weights = dict(trainer.model.engine_weights())
+        out = Path(out_dir)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "rank0.safetensors"))
+            (out / "rank0.json").write_text(json.dumps(metrics))
+        if case["distributed"]:  # the shards' round trip: a fresh split trainer repeats the next step
+            from miles.rl.sharded_checkpoint import load_optimizer_shards, move_into, save_optimizer_shards
+            from miles.trainer.backends import copy_policy_into
+
+            staging = save_optimizer_shards(trainer.sharded, out / "checkpoints", steps, dp)
+            folder = out / "checkpoint"
+            if rank == 0:
+                folder.mkdir()
+                move_into(staging, folder)
+            dp.barrier()
+            meta = trainer.state_dict()["meta"]
+            current = tiny_moe()
+            copy_policy_into(trainer.model, current)
+            resumed = sharded_case_trainer(build_policy("megatron", current, **sizes(case)), case, dp, True)
+            resumed.load_state_dict({"tensors": {}, "meta": meta})
+            load_optimizer_shards(resumed.sharded, folder, meta["distributed_optimizer"], dp)
+            for each in (trainer, resumed):
+                each.train_step(dp.shard(case_steps(case, steps)))
+            pairs = zip(trainer.model.engine_weights(), resumed.model.engine_weights())
+            same = all(torch.equal(a, b) for (_, a), (_, b) in pairs)
+            groups = len({id(b.group.group) for b in trainer.sharded.buckets})
+            split = any(b.parts is not None for b in trainer.sharded.buckets)
+            report = {"resumed_equal": same, "groups": groups, "split": split}
+            (out / f"resume{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -20,6 +20,7 @@ from tests.support.sharded import (
     sharded_case_model,
     sharded_case_trainer,
     sharded_worker,
+    split_worker,
 )
 
 CASES = {
@@ -151,3 +152,38 @@ def test_miles_train_with_the_distributed_optimizer_resumes_on_another_process_c
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     out = run_miles(tmp_path, *common, resume, "trainer.distributed_optimizer=false", run_dir=tmp_path / "x")
     assert out.returncode != 0 and "trainer.distributed_optimizer=true" in out.stderr
+
+
+SPLIT_CASES = {
+    # experts over 2 ranks of 4: expert weights sliced over their expert-data-parallel pairs, the rest over 4
+    "ep2_of_4": {"world": 4, "ep": 2},
+    # tensor parallelism: each TP rank slices its parts over its replicas' group; split norms add over TP
+    "tp2_of_4": {"world": 4, "tp": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_distributed_optimizer_on_split_megatron_equals_replicated(name: str, tmp_path: Path) -> None:
+    case = {**SPLIT_CASES[name], "steps": 2, "global_batch_size": 8}
+    results = []
+    for distributed in (False, True):
+        out = tmp_path / str(distributed)
+        out.mkdir()
+        world = case["world"]
+        args = (world, str(out / "store"), {**case, "distributed": distributed}, str(out))
+        mp.start_processes(split_worker, args=args, nprocs=world, start_method="spawn")
+        results.append(
+            (load_file(str(out / "rank0.safetensors")), json.loads((out / "rank0.json").read_text()))
+        )
+    (want_w, want_m), (got_w, got_m) = results
+    for key, want in want_w.items():
+        torch.testing.assert_close(got_w[key], want, atol=1e-6, rtol=0, msg=key)
+    for got, want in zip(got_m, want_m):
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-6)
+    # each rank's shards (keyed by process), resumed by a fresh split trainer, repeat the next step exactly
+    reports = [json.loads((tmp_path / "True" / f"resume{r}.json").read_text()) for r in range(case["world"])]
+    assert all(r["resumed_equal"] for r in reports)
+    assert reports[0]["split"]  # some parameters are split, so their norms sum over their parts group
+    if "ep" in case:  # experts reduce over their own (expert-data-parallel) group
+        assert reports[0]["groups"] == 2
