@@ -67,6 +67,9 @@ def packed_logprobs(
     `fused_kernels` runs the model's elementwise chains compiled (miles.models.fused), their backward too."""
     if temperature <= 0:
         raise ValueError(f"logprobs need a positive temperature, got {temperature}")
+    own = getattr(model, "packed_logprobs", None)
+    if own is not None:  # a DeepSpeed policy runs this inside its engine's forward (ZeRO-3 gathers there)
+        return own(batch, temperature, precision, with_entropy, entropy_grad)
     routing = (
         RoutingTrace(record=False, replay=batch.routing_replay) if batch.routing_replay is not None else None
     )

@@ -579,7 +579,7 @@ class PolicyTrainer:
             for name, values in result.token_metrics.items():
                 sums[name] += (values.detach().float() * mean_weights).sum()
         if self.zero is not None:  # every rank runs as many passes (DeepSpeed's collectives)
-            self.zero.pad_backward(len(batches), passes, self.model, self.cfg.precision)
+            self.zero.pad_backward(len(batches), passes, self.model, self.cfg.precision, entropy_coef > 0)
         return sums
 
     def _old_and_tis(

@@ -16,7 +16,8 @@ class ModelConfig:
     path: str = MISSING
     """HF-format checkpoint folder (config.json + safetensors + tokenizer); `builtin:NAME` names a shipped one."""
     dtype: str = "float32"
-    """Parameter dtype for trainer and engine: float32 | bfloat16 | float16."""
+    """Parameter dtype for trainer and engine: float32 | bfloat16 | float16 | auto (bfloat16 on a GPU that
+    has it, float32 on CPU)."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cpu | cuda | cuda:N."""
     chat_template: bool = True
@@ -215,6 +216,12 @@ class TrainerConfig:
     tensor_parallel_size: int = 1
     """megatron backend: processes that split one model replica's layers (megatron's tensor parallelism; a
     divisor of placement.num_processes); the replicas are data-parallel. 1: each process holds a replica."""
+    expert_parallel_size: int = 1
+    """megatron backend, MoE models: processes that split each MoE layer's experts (megatron's expert
+    parallelism: its all-to-all token dispatcher); divides placement.num_processes and the expert count."""
+    expert_tensor_parallel_size: int | None = None
+    """megatron backend, MoE models: processes that split each expert's intermediate dimension (None:
+    trainer.tensor_parallel_size, megatron's default); times expert_parallel_size, divides the processes."""
     zero_stage: int = 2
     """deepspeed backend: ZeRO stage 1 (optimizer state sharded), 2 (and gradients) or 3 (and weights)."""
     offload_optimizer: str = "none"
