@@ -4,9 +4,9 @@ of each phase.
 `trainer.offload_optimizer_during_rollout` moves the float32 master weights and AdamW moments (the replicated
 AdamW's or the distributed optimizer's shards) into pinned CPU buffers after each update and back before the
 next: `time/offload` is the time both moves took in the step. The first move happens when the trainer side is
-built, before a colocated engine sizes its KV pool, so the pool is sized without that state
-(`reserve_bytes`); the pool must then give its memory back during the update
-(`rollout.release_kv_during_train=true`, checked at start). The state's tensors keep their identity (their
+built, before a colocated engine sizes its KV pool, and the trainer then reserves nothing beside the pool:
+during rollout the policy holds its weights alone, and the update takes its gradients and state in the memory
+the pool gives back (`rollout.release_kv_during_train=true`, checked at start). The state's tensors keep their identity (their
 `.data` moves), so the optimizer, checkpoints and the master-weight hooks see them wherever they are.
 
 On a machine without CUDA the state already lives in host memory: offloading is a no-op that reports

@@ -47,9 +47,9 @@ class TrainerSide:
 
     def memory_reserve_bytes(self) -> int:
         """What the first update needs beside the engine's KV pool (colocated on one device)."""
-        reserve = self.trainer.memory_reserve_bytes()
-        if self.offload.enabled:  # the state is on the host during rollout; the update gets the pool's memory
-            reserve = max(0, reserve - self.offload.state_bytes())
+        # Offloaded (trainer/offload.py): during rollout the policy holds its weights alone, and its update
+        # takes the gradients and state in the memory the KV pool gives back (release_kv_during_train).
+        reserve = 0 if self.offload.enabled else self.trainer.memory_reserve_bytes()
         if self.draft_trainer is not None:
             reserve += self.draft_trainer.memory_reserve_bytes()
         return reserve
