@@ -187,3 +187,17 @@ def test_distributed_optimizer_on_split_megatron_equals_replicated(name: str, tm
     assert reports[0]["split"]  # some parameters are split, so their norms sum over their parts group
     if "ep" in case:  # experts reduce over their own (expert-data-parallel) group
         assert reports[0]["groups"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_distributed_optimizer_on_cuda_equals_fused_adamw() -> None:
+    """On CUDA both run torch's fused AdamW kernel: the shards' update equals the replicated one."""
+    case = {"num_experts": 8, "dtype": "bfloat16", "empty_steps": [1]}
+    models = [sharded_case_model(case).cuda() for _ in range(2)]
+    trainers = [sharded_case_trainer(m, case, SINGLE, distributed) for m, distributed in zip(models, (0, 1))]
+    for step in range(3):
+        want, got = (t.train_step(case_steps(case, step)) for t in trainers)
+        assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
+    for (key, want), got in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=0, msg=key)
