@@ -243,7 +243,10 @@ def _reasoning_gym_rows(task: str, cfg: DataConfig) -> tuple[list[PromptRow], li
     except ImportError as e:
         raise MilesUserError("data.source=reasoning_gym:<task> needs `pip install 'miles[reasoning]'`") from e
     try:
-        train = reasoning_gym.create_dataset(task, size=cfg.train_size, seed=cfg.seed)
+        # reasoning-gym refuses size 0: `miles eval` asks for the held-out split alone
+        train = (
+            reasoning_gym.create_dataset(task, size=cfg.train_size, seed=cfg.seed) if cfg.train_size else []
+        )
         test = reasoning_gym.create_dataset(task, size=cfg.test_size, seed=cfg.seed + 10_000)
     except Exception as e:  # reasoning-gym raises plain errors for unknown task names
         raise MilesUserError(f"reasoning-gym cannot create task {task!r}: {e}") from e

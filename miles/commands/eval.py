@@ -17,13 +17,24 @@ def main(argv: list[str]) -> int:
         help="jsonl / parquet / saved dataset folder (a DatasetDict: its test split, else validation; DIR:split "
         "picks one). Default: the synthetic math test split",
     )
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="a data source instead of --data: synthetic_math or reasoning_gym:<task> (its held-out split, "
+        "judged by its own verifier unless --reward is given)",
+    )
     parser.add_argument("--num", type=int, default=200, help="number of held-out problems")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--reward", default="math", help="reward used to judge correctness (score > 0.5)")
+    parser.add_argument(
+        "--reward", default=None, help="reward used to judge correctness (score > 0.5); default: math"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--system-prompt", default=None)
     args = parser.parse_args(argv)
+    if args.data and args.source:
+        parser.error("give --data FILE or --source NAME, not both")
+    reward = args.reward or ("reasoning_gym" if (args.source or "").startswith("reasoning_gym:") else "math")
 
     from miles.build import set_cpu_threads, stop_ids
     from miles.data import PromptFormatter, load_eval_rows, to_samples
@@ -33,6 +44,8 @@ def main(argv: list[str]) -> int:
     from miles.rollout import Engine
 
     data_cfg = DataConfig(test_size=args.num, train_size=0, system_prompt=args.system_prompt)
+    if args.source:
+        data_cfg.source = args.source
     if args.data:
         data_cfg.source, data_cfg.path, data_cfg.eval_path = "file", args.data, args.data
     set_cpu_threads(1)
@@ -41,7 +54,7 @@ def main(argv: list[str]) -> int:
     test_rows = load_eval_rows(data_cfg)
     prompts, dropped = to_samples(test_rows[: args.num], formatter, data_cfg.max_prompt_length)
     engine = Engine(loaded.model, loaded.tokenizer, RolloutConfig())
-    with RewardRunner(RewardConfig(fn=args.reward, num_workers=0), engine=engine) as rewards:
+    with RewardRunner(RewardConfig(fn=reward, num_workers=0), engine=engine) as rewards:
         eos = stop_ids(loaded.tokenizer, loaded.model.args.eos_token_ids)
         metrics, _ = evaluate(engine.generate, rewards, prompts, args.max_new_tokens, eos, [])
     metrics["eval/dropped_prompts"] = float(dropped)

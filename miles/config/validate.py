@@ -23,6 +23,7 @@ from miles.trainer.recompute import check_recompute
 
 def validate(config: MilesConfig) -> None:
     """Refuse a config the run would fail on later (after the models loaded, or mid-run)."""
+    resolve_auto_dtype(config)
     check_placement(config)
     check_engine_process(config)
     check_async(config)
@@ -41,9 +42,26 @@ def validate(config: MilesConfig) -> None:
         )
 
 
+def resolve_auto_dtype(config: MilesConfig) -> None:
+    """`model.dtype=auto`: bfloat16 on a GPU that computes in it, float32 elsewhere (CPUs without bf16 matrix
+    units run it about 10x slower than float32), decided once so every process loads the same weights."""
+    if config.model.dtype != "auto":
+        return
+    import torch
+
+    from miles.model_io import pick_device
+
+    on_gpu = pick_device(config.model.device).type == "cuda" and torch.cuda.is_bf16_supported()
+    config.model.dtype = "bfloat16" if on_gpu else "float32"
+
+
 def check_placement(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
     check_backend(config.trainer.backend)
+    if config.trainer.backend == "deepspeed":
+        from miles.trainer.deepspeed_config import check_deepspeed_settings
+
+        check_deepspeed_settings(config.trainer)
     check_recompute(config.trainer.recompute)
     check_memory_plan(config)
     if config.placement.mode not in ("embedded", "ray"):
@@ -64,6 +82,7 @@ def check_placement(config: MilesConfig) -> None:
     load_group_filter(config.algorithm.group_filter)  # a bad spec fails here, before any model loads
     tp = config.trainer.tensor_parallel_size
     check_tensor_parallel(config.trainer.backend, tp)
+    check_expert_parallel_config(config)
     if tp > 1:
         if config.placement.num_processes == 1 and world_from_env() == 1:
             raise MilesUserError(
@@ -75,6 +94,25 @@ def check_placement(config: MilesConfig) -> None:
                 f"trainer.tensor_parallel_size={tp} must divide placement.num_processes="
                 f"{config.placement.num_processes} (each group of {tp} processes splits one model replica)"
             )
+
+
+def check_expert_parallel_config(config: MilesConfig) -> None:
+    """Expert (tensor) parallelism: megatron only, and sizes whose product divides the processes (the model's
+    own dimensions are checked when it loads: megatron_parallel.check_parallel_sizes)."""
+    trainer, processes = config.trainer, max(config.placement.num_processes, world_from_env())
+    ep, etp = trainer.expert_parallel_size, trainer.expert_tensor_parallel_size
+    if ep == 1 and etp in (None, 1):
+        return
+    if trainer.backend != "megatron":
+        raise MilesUserError(
+            "trainer.expert_parallel_size and trainer.expert_tensor_parallel_size need trainer.backend=megatron"
+        )
+    etp = trainer.tensor_parallel_size if etp is None else etp
+    if ep < 1 or etp < 1 or processes % (ep * etp):
+        raise MilesUserError(
+            f"trainer.expert_parallel_size={ep} x trainer.expert_tensor_parallel_size={etp} must divide "
+            f"placement.num_processes={processes} (each group of that many processes holds every expert once)"
+        )
 
 
 def check_ranges(config: MilesConfig) -> None:
@@ -140,6 +178,7 @@ def check_engine_process(config: MilesConfig) -> None:
     unsupported = {
         "placement.num_processes > 1": config.placement.num_processes > 1,
         "trainer.tensor_parallel_size > 1": config.trainer.tensor_parallel_size > 1,
+        "trainer.expert_parallel_size > 1": config.trainer.expert_parallel_size > 1,
         "rollout.generate_fn (multi-turn plugins drive a local engine)": bool(config.rollout.generate_fn),
         "rollout.spec_draft_train": config.rollout.spec_draft_train,
         "trainer.routing_replay": config.trainer.routing_replay,
@@ -206,6 +245,7 @@ def check_ray(config: MilesConfig) -> None:
     unsupported = {
         "placement.engine_process=true (the engines are actors already)": placement.engine_process,
         "trainer.tensor_parallel_size > 1": config.trainer.tensor_parallel_size > 1,
+        "trainer.expert_parallel_size > 1": config.trainer.expert_parallel_size > 1,
         "rollout.spec_draft_train": config.rollout.spec_draft_train,
         "trainer.routing_replay": config.trainer.routing_replay,
         "SFT (algorithm.name=sft)": config.algorithm.name == "sft" or config.algorithm.policy_loss == "sft",

@@ -20,6 +20,7 @@ from miles.errors import MilesUserError
 from miles.rl.collect import Collected
 from miles.rl.guards import FailedStepGuard, StopRequest
 from miles.rl.parts import RLParts, build_parts
+from miles.rl.time_report import TimeReport
 from miles.rl.update import train_on
 from miles.weight_sync.verified import VerifiedSync, sync_verified
 
@@ -37,6 +38,7 @@ def run_rl(
     loop is the same whatever runs where."""
     run = build(cfg, run_dir, dp)
     last: dict[str, float] = {}
+    times = TimeReport()
     failed_steps, stop = FailedStepGuard(cfg.trainer.stop_after_failed_steps), StopRequest()
     with stop.installed(dp):
         try:
@@ -59,6 +61,7 @@ def run_rl(
                 own["time/step"] = time.perf_counter() - began
                 # The step's records before its checkpoint: a resume from it never skips a step's records.
                 last = log_step(run, step, collected, own, metrics)
+                times.add(last)
                 save_if_due(run, step, force=stop.asked)
                 if stop.asked:
                     raise KeyboardInterrupt(
@@ -67,6 +70,8 @@ def run_rl(
                 failed_steps.check(step, last, len(collected.everyone))
         finally:
             run.close()
+            if run.tracker is not None and times.steps:
+                log.info("%s", times.render())
     return last
 
 

@@ -52,6 +52,7 @@ def test_help_lists_commands_recipes_and_groups() -> None:
         "gspo_moe",
         "sft_math",
         "grpo_smollm2_math",
+        "grpo_smollm2_reasoning",
         "model",
         "algorithm",
         "placement",

@@ -187,3 +187,14 @@ def test_a_checkpoint_miles_cannot_load_is_a_clean_error(tmp_path: Path) -> None
         out = miles("eval", "--model", str(folder), "--num", "1", cwd=tmp_path)
         assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
+
+
+def test_eval_on_a_reasoning_gym_task_uses_its_held_out_split_and_verifier(tmp_path: Path) -> None:
+    pytest.importorskip("reasoning_gym")
+    args = ("eval", "--model", "builtin:tiny_moe_math", "--num", "5", "--max-new-tokens", "8")
+    out = miles(*args, "--source", "reasoning_gym:chain_sum", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["eval/count"] == 5 and metrics["eval/dropped_prompts"] == 0
+    both = miles(*args, "--source", "reasoning_gym:chain_sum", "--data", "x.jsonl", cwd=tmp_path)
+    assert both.returncode != 0 and "not both" in both.stderr

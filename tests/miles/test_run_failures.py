@@ -58,6 +58,15 @@ def test_values_the_schema_cannot_bound_are_refused_at_start(overrides: dict, me
         validate(_config(overrides))
 
 
+def test_model_dtype_auto_is_float32_on_cpu_and_left_alone_when_named() -> None:
+    auto = _config({"model": {"dtype": "auto", "device": "cpu"}})
+    validate(auto)
+    assert auto.model.dtype == "float32"
+    named = _config({"model": {"dtype": "bfloat16", "device": "cpu"}})
+    validate(named)
+    assert named.model.dtype == "bfloat16"
+
+
 def test_a_refused_start_leaves_no_run_folder(tmp_path: Path) -> None:
     out = run_miles(tmp_path, "recipe=grpo_math", "trainer.max_steps=-5")
     assert out.returncode == 2
