@@ -72,4 +72,4 @@ def copy_policy_into(policy: nn.Module, model: CausalLM) -> None:
     from miles.models.checkpoint import load_state_into
 
     with torch.no_grad():
-        load_state_into(model, policy.engine_weights())  # type: ignore[operator]
+        load_state_into(model, policy.iter_engine_weights())  # type: ignore[operator]

@@ -38,6 +38,11 @@ def check_deepspeed_settings(cfg: TrainerConfig) -> None:
             "trainer.master_weights=false is not available with trainer.backend=deepspeed (its ZeRO optimizer "
             "always keeps float32 master weights); leave trainer.master_weights=true"
         )
+    if cfg.distributed_optimizer:
+        raise MilesUserError(
+            "trainer.distributed_optimizer is the torch/megatron backends' sharded AdamW; with "
+            "trainer.backend=deepspeed ZeRO shards the optimizer already: leave it false"
+        )
     if cfg.routing_replay:
         raise MilesUserError(
             "trainer.routing_replay is not available with trainer.backend=deepspeed; use trainer.backend=torch"

@@ -246,6 +246,20 @@ class ZeroStep:
         total = meta.get("total_optimizer_steps")
         trainer.total_optimizer_steps = None if total is None else int(total)
 
+    def stage(self, checkpoints: Path, step: int) -> Path:
+        """Every rank's shards of step `step` into a staging folder under `checkpoints` (a collective);
+        rank 0 then moves it into the checkpoint (`CHECKPOINT_DIR`), which becomes whole in one rename."""
+        import shutil
+
+        staging = checkpoints / f".deepspeed_step_{step:06d}.tmp"
+        if self.dp.is_main:  # what an earlier save cut short left behind
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            for stale in checkpoints.glob(".deepspeed_step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.dp.barrier()
+        self.save(staging)
+        return staging
+
     def save(self, folder: Path) -> None:
         """DeepSpeed's sharded state into `folder` (a collective: every rank writes its own shard files)."""
         self.engine.save_checkpoint(str(folder), tag="state", save_latest=False)
@@ -254,7 +268,10 @@ class ZeroStep:
     def load(self, folder: Path) -> None:
         """The weights, float32 masters and optimizer shards `save` wrote (a collective)."""
         if not (folder / "state").is_dir():
-            raise FileNotFoundError(f"{folder} holds no DeepSpeed state (state/)")
+            raise MilesUserError(
+                f"{folder} holds no DeepSpeed state (state/): the checkpoint was not written by a run with "
+                "trainer.backend=deepspeed; resume it with the backend that wrote it"
+            )
         path, _ = self.engine.load_checkpoint(
             str(folder), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
         )

@@ -46,17 +46,25 @@ def state_writer(
     engine_state = engine.state_dict()
     if dp.enabled:  # every rank's, written by rank 0
         engine_state = {"ranks": dp.all_gather_objects(engine_state)}
-    # With tensor parallelism the optimizer state is gathered from the TP ranks, a collective: here, by the
-    # TP group of rank 0 (the one that writes it).
-    trainer_state = trainer.state_dict() if trainer.tp.enabled and trainer.dp.rank == 0 else None
+    # With model parallelism the optimizer state is gathered from the ranks holding its parts (collectives:
+    # the TP group, and for split experts ranks across the replicas): here, by every rank; rank 0 writes it.
+    trainer_state = trainer.state_dict() if getattr(trainer, "model_parallel", False) else None
     staging = None
     if getattr(trainer, "sharded", None) is not None:
         assert run_dir is not None, "a distributed optimizer's shards are staged under the run folder"
         staging = save_optimizer_shards(trainer.sharded, run_dir / "checkpoints", step, trainer.world)
+    zero_staging = None
+    if getattr(trainer, "zero", None) is not None:  # DeepSpeed's shards, every rank's, staged the same way
+        assert run_dir is not None, "DeepSpeed's shards are staged under the run folder"
+        zero_staging = trainer.zero.stage(run_dir / "checkpoints", step)
 
     def write(folder: Path) -> None:
         if staging is not None:
             move_into(staging, folder)
+        if zero_staging is not None:
+            from miles.trainer.deepspeed_policy import CHECKPOINT_DIR
+
+            zero_staging.rename(folder / CHECKPOINT_DIR)
         draft_state = None
         if draft_trainer is not None:
             draft_trainer.save_weights(folder)
@@ -130,6 +138,10 @@ def resume_run(
     if getattr(trainer, "sharded", None) is not None:  # this rank's slices of the saved shards
         cut = state.trainer["meta"][SHARDED_META_KEY]
         load_optimizer_shards(trainer.sharded, folder, cut, trainer.world)
+    if getattr(trainer, "zero", None) is not None:  # the weights, float32 masters and moments DeepSpeed saved
+        from miles.trainer.deepspeed_policy import CHECKPOINT_DIR
+
+        trainer.zero.load(folder / CHECKPOINT_DIR)
     if resize_to is not None:
         trainer.resize_schedule(resize_to)
     loader.load_state_dict(state.loader)
