@@ -104,6 +104,8 @@ def build_trainer(
         cfg.trainer.routing_replay if routing_replay is None else routing_replay,
         cfg.trainer.precision,
         cfg.trainer.tensor_parallel_size,
+        cfg.trainer.expert_parallel_size,
+        cfg.trainer.expert_tensor_parallel_size,
     )
     return PolicyTrainer(
         policy,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SampleStatus(enum.StrEnum):
@@ -37,9 +40,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     status: SampleStatus = SampleStatus.PENDING
     weight_version: int = 0
-    routed_experts: list[list[list[int]]] | None = None
-    """MoE routing at rollout, for routing replay: [token fed to the model (prompt, then response minus the
-    last token)][moe layer][top-k expert ids]."""
+    routed_experts: torch.Tensor | None = None
+    """MoE routing at rollout, for routing replay: an int16 CPU tensor [tokens fed to the model (prompt, then
+    response minus the last token), moe layers, top-k expert ids] (nested lists are accepted too)."""
     spec_stats: dict[str, Any] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per response token, the most likely tokens and their logprobs (`SamplingParams.top_logprobs` > 0)."""
@@ -55,6 +58,8 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         record["status"] = self.status.value
+        if hasattr(self.routed_experts, "tolist"):  # JSON-able: nested lists
+            record["routed_experts"] = self.routed_experts.tolist()  # type: ignore[union-attr]
         return record
 
     @classmethod
@@ -63,4 +68,8 @@ class Sample:
         values = {k: v for k, v in record.items() if k in known}
         if "status" in values:
             values["status"] = SampleStatus(values["status"])
+        if values.get("routed_experts") is not None:
+            import torch
+
+            values["routed_experts"] = torch.tensor(values["routed_experts"], dtype=torch.int16)
         return cls(**values)

@@ -680,7 +680,7 @@ class Engine:
             del req.output_ids[limit:], req.logprobs[limit:]
             req.stop_text = None  # found in tokens past the limit
             if routed is not None:
-                del routed[len(req.prompt_ids) + max(limit, 1) - 1 :]
+                routed = routed[: len(req.prompt_ids) + max(limit, 1) - 1]
             if status != SampleStatus.ABORTED:
                 status = SampleStatus.TRUNCATED
         req.status, req.error = status, error

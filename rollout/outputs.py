@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.models.tokenizer import special_tokens
 from miles.rollout.request import Request
 from miles.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 def finish_status(req: Request, eos_ids: set[int], max_context: int, tokenizer: Any) -> SampleStatus | None:
@@ -81,7 +84,7 @@ def to_sample(
     tokenizer: Any,
     weight_version: int,
     prompt_text: str,
-    routed: list[list[list[int]]] | None,
+    routed: torch.Tensor | None,
 ) -> Sample:
     src = req.source
     text = req.stop_text

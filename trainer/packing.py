@@ -102,7 +102,7 @@ def _routing_tensor(sample: Sample, position: int) -> torch.Tensor:
             f"routing replay is on but sample {position} has no routed_experts; "
             "set rollout.record_routing=true or trainer.routing_replay=false"
         )
-    routing = torch.tensor(sample.routed_experts, dtype=torch.long)
+    routing = torch.as_tensor(sample.routed_experts).long()  # an int16 tensor (the engine's) or nested lists
     expected = fed_length(sample)
     # The engine may also record the routing of the final sampled token if it fed it; it is never a target.
     if routing.dim() != 3 or routing.shape[0] not in (expected, expected + 1):

@@ -289,14 +289,14 @@ class PolicyTrainer:
     def state_dict(self) -> dict[str, Any]:
         """{"tensors": {name: tensor} (safetensors-ready), "meta": JSON-able dict} for optimizer + schedule.
 
-        With tensor parallelism a collective of the TP group, whose rank 0 alone keeps the whole tensors (the
-        others' "tensors" come back empty). With the distributed optimizer only the schedule and the
+        With split parameters (tensor or expert parallelism) a collective of every rank; rank 0 alone keeps the
+        whole tensors (the others' "tensors" come back empty). With the distributed optimizer only the schedule and the
         layout: each rank's shards go through miles/rl/sharded_checkpoint.py."""
         if self.sharded is not None:
             return sharded_state_dict(self)
         if self.zero is not None:  # the shards go through DeepSpeed's own checkpoint (ZeroStep.save)
             return {"tensors": {}, "meta": self.zero.schedule_meta(self)}
-        keep = self.tp.rank == 0
+        keep = self.world.rank == 0
         names = self._names
         saved = self.optimizer.state_dict()
         tensors: dict[str, torch.Tensor] = {}

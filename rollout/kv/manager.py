@@ -188,7 +188,7 @@ class KVManager:
         req.row, req.kv_len, req.prefix_len, req.node = -1, 0, 0, None
 
     # MoE routing ---------------------------------------------------------------------------------
-    def recorded_routing(self, req: Request) -> list[list[list[int]]] | None:
+    def recorded_routing(self, req: Request) -> torch.Tensor | None:
         """Experts chosen at every position fed to the model (the prompt, then the response minus its last
         token), read from the pool's slot store (`rollout.record_routing`); the layout
         `Sample.routed_experts` documents for routing replay. None where it was not recorded or is lost."""
@@ -205,4 +205,4 @@ class KVManager:
             if match is None or match.length < fed:
                 return None
             slots = match.slots[:fed].long()
-        return self.pool.routing[slots].tolist()
+        return self.pool.routing[slots].cpu()  # int16 [fed, moe layers, top_k]: compact, not nested lists

@@ -1108,7 +1108,7 @@ def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
     assert [s.response_ids for s in after] == [s.response_ids for s in before]
     assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
     if moe:
-        assert [s.routed_experts for s in after] == [s.routed_experts for s in before]
+        assert [s.routed_experts.tolist() for s in after] == [s.routed_experts.tolist() for s in before]
 
 
 def test_alternatives_on_cuda_come_back_with_their_tokens() -> None:

@@ -53,6 +53,7 @@ def make_trainer(model: CausalLM, case: dict, dp: DataParallel) -> PolicyTrainer
         epochs_per_rollout=case.get("epochs", 1),
         optim=OptimConfig(grad_clip=1.0, weight_decay=0.01, eps=case.get("eps", 1e-8)),
         lr=case.get("lr", 1e-2),
+        routing_replay=case.get("replay", False),
     )
     algorithm = AlgorithmConfig(loss_agg=case["loss_agg"], tis=case.get("tis", False), entropy_coef=0.01)
     return PolicyTrainer(model, cfg, algorithm, temperature=1.0, dp=dp)

@@ -11,8 +11,23 @@ import torch
 from safetensors.torch import save_file
 
 from miles.distributed import DataParallel
+from miles.sample import Sample
 from miles.trainer.backends import build_policy, copy_policy_into
 from tests.support.dp import make_trainer, scored_samples, tiny_moe
+
+
+def with_routes(samples: list[Sample], seed: int = 1) -> list[Sample]:
+    """Each sample with recorded experts for routing replay: 2 distinct of tiny_moe's 8 per fed token and
+    layer, drawn at random (not the router's own choice, so replaying them changes the result)."""
+    g = torch.Generator().manual_seed(seed)
+    for s in samples:
+        fed = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.routed_experts = (
+            torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(fed * 2)])
+            .view(fed, 2, 2)
+            .to(torch.int16)
+        )
+    return samples
 
 
 def sizes(case: dict) -> dict:
@@ -35,6 +50,8 @@ def ep_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> No
         model = tiny_moe()
         policy = build_policy("megatron", copy.deepcopy(model), **sizes(case))
         samples = scored_samples(case["num_samples"])
+        if case.get("replay"):
+            with_routes(samples)
         trainer = make_trainer(policy, case, dp)
         mine = dp.shard(samples)  # the loop's split; a TP group trains on the union of its ranks' shares
         metrics = [trainer.train_step(mine) for _ in range(case["steps"])]

@@ -21,7 +21,7 @@ from miles.errors import MilesUserError
 from miles.trainer.backends import build_policy
 from miles.trainer.megatron_layout import expert_shard, expert_unshard
 from tests.support.dp import make_trainer, scored_samples, tiny_moe
-from tests.support.ep import ep_worker
+from tests.support.ep import ep_worker, with_routes
 
 pytest.importorskip("megatron.core")
 
@@ -30,6 +30,9 @@ CASES = {
     "ep2_dp2": {"world": 4, "ep": 2},
     "tp2_moe": {"world": 2, "tp": 2},  # expert-TP = TP (megatron's default): each expert's slice per rank
     "tp2_ep2_etp1": {"world": 2, "tp": 2, "ep": 2, "etp": 1},
+    # routing replay: random recorded experts (not the routers' choice), replayed as the torch backend does
+    "ep2_replay": {"world": 2, "ep": 2, "replay": True},
+    "tp2_replay": {"world": 2, "tp": 2, "replay": True},
 }
 
 
@@ -56,6 +59,8 @@ def test_split_experts_update_equals_one_process(name: str, tmp_path: Path) -> N
     start = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = make_trainer(model, case, SINGLE)
     samples = scored_samples(case["num_samples"])
+    if case.get("replay"):
+        with_routes(samples)
     expected = [trainer.train_step(samples) for _ in range(case["steps"] + 1)]
 
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]

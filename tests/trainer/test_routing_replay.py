@@ -33,8 +33,8 @@ def test_trainer_replays_the_engines_routing() -> None:
         prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3, return_routing=True)
     )
     for s in samples:
-        assert len(s.routed_experts) == len(s.prompt_ids) + len(s.response_ids) - 1
-        assert len(s.routed_experts[0]) == 2 and len(s.routed_experts[0][0]) == 2  # [layer][top_k]
+        assert s.routed_experts.dtype == torch.int16  # compact, [fed token, layer, top_k]
+        assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
 
     trainer = PolicyTrainer(model, TrainerConfig(routing_replay=True), AlgorithmConfig(), temperature=1.0)
     replayed = trainer.logprobs(samples)
@@ -45,7 +45,7 @@ def test_trainer_replays_the_engines_routing() -> None:
 
     # Replaying other experts than the ones chosen must change the logprobs (the replay is really used).
     for s in samples:
-        s.routed_experts = [[[(e + 1) % 6 for e in layer] for layer in tok] for tok in s.routed_experts]
+        s.routed_experts = (s.routed_experts + 1) % 6
     shifted = trainer.logprobs(samples)
     diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(shifted, replayed)]
     assert max(diffs) > 1e-3
