@@ -26,6 +26,8 @@ def trainer_for(policy: torch.nn.Module, case: dict, dp: DataParallel) -> Policy
     cfg = TrainerConfig(
         backend=case["backend"],
         zero_stage=case.get("stage", 2),
+        offload_optimizer=case.get("offload", "none"),
+        offload_param=case.get("offload", "none"),
         global_batch_size=case.get("global_batch_size", 6),
         micro_batch_tokens=24,
         optim=OptimConfig(grad_clip=1.0, weight_decay=0.01, eps=1e-6),
@@ -103,3 +105,20 @@ def zero_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def offload_worker(rank: int, out_dir: str) -> None:
+    """One process (no group set up by hand: the backend makes its own): bf16 weights under ZeRO-3 with the
+    optimizer and the weight shards offloaded to the host, against the torch backend's float32 masters."""
+    torch.set_num_threads(1)
+    model = tiny_dense(tied=True).to(torch.bfloat16)
+    samples = scored_samples(6)
+    torch_trainer = trainer_for(copy.deepcopy(model), {"backend": "torch"}, DataParallel())
+    case = {"backend": "deepspeed", "stage": 3, "offload": "cpu"}
+    trainer = trainer_for(build_policy("deepspeed", model), case, DataParallel())
+    report = {"torch": [torch_trainer.train_step(samples) for _ in range(3)]}
+    report["zero"] = [trainer.train_step(samples) for _ in range(3)]
+    tensors = {f"torch.{n}": p.detach() for n, p in torch_trainer.model.named_parameters()}
+    tensors.update({f"zero.{n}": t for n, t in trainer.model.engine_weights()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / "weights.safetensors"))
+    (Path(out_dir) / "report.json").write_text(json.dumps(report))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from miles.config import TrainerConfig
 from miles.errors import MilesUserError
 from miles.trainer.deepspeed_config import check_deepspeed_settings, deepspeed_config
-from tests.support.deepspeed import zero_worker
+from tests.support.deepspeed import offload_worker, zero_worker
 
 pytest.importorskip("deepspeed")
 
@@ -44,6 +44,19 @@ def test_zero_update_equals_the_torch_backend(stage: int, tied: bool, tmp_path: 
     assert report["resumed"] == report["zero"][1:] or _same_untimed(report["resumed"], report["zero"][1:])
     for name in names:
         assert torch.equal(weights[f"resumed.{name}"], weights[f"zero.{name}"]), name
+
+
+def test_bf16_zero3_with_host_offload_keeps_the_torch_backends_float32_masters(tmp_path: Path) -> None:
+    # the torch AdamW steps on the offloaded float32 shards (no DeepSpeed CPU-Adam build)
+    mp.start_processes(offload_worker, args=(str(tmp_path),), nprocs=1, start_method="spawn")
+    report = json.loads((tmp_path / "report.json").read_text())
+    for want, got in zip(report["torch"], report["zero"], strict=True):
+        for key in UNTIMED:
+            assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    for name in [k[len("torch.") :] for k in weights if k.startswith("torch.")]:
+        assert weights[f"zero.{name}"].dtype == torch.bfloat16
+        torch.testing.assert_close(weights[f"zero.{name}"], weights[f"torch.{name}"], atol=1e-4, rtol=1e-5)
 
 
 def _same_untimed(a: list[dict], b: list[dict]) -> bool:
