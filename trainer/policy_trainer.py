@@ -407,8 +407,8 @@ class PolicyTrainer:
         before the first one, AdamW's two moments. A colocated engine sizes its KV pool without them. An
         estimate: it counts experts no token may reach, and leaves out short-lived buffers (a gradient's
         float32 copy as it is folded in, an all-reduce bucket), which the pool's fraction leaves room for."""
-        if self.sharded is not None:
-            return self.sharded.grad_bytes()
+        if self.sharded is not None:  # its slices are allocated already: the update adds the gradients
+            return self.sharded.grad_bytes() if self.device.type == "cuda" else 0
         if self.zero is not None:
             return self.zero.memory_reserve_bytes()
         total = 0
