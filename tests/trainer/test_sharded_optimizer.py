@@ -120,7 +120,7 @@ def test_sharded_checkpoint_resumes_into_the_same_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_miles_train_with_the_distributed_optimizer_resumes_on_another_process_count(tmp_path: Path) -> None:
-    """`miles train` on 2 processes with the distributed optimizer and full recomputation writes its shards
+    """`miles train` on 2 processes with the distributed optimizer, full recomputation and offload writes its shards
     into each checkpoint; one process resumes from step 1 and repeats step 2 (to float rounding: the
     gradients sum in another order)."""
     from tests.support.cli import run_miles
@@ -136,6 +136,8 @@ def test_miles_train_with_the_distributed_optimizer_resumes_on_another_process_c
         "rollout.deterministic=true",
         "trainer.distributed_optimizer=true",
         "trainer.recompute=full",
+        "trainer.offload_optimizer_during_rollout=true",  # a no-op without CUDA, logged as 0
+        "rollout.release_kv_during_train=true",
     ]
     two, one = tmp_path / "two", tmp_path / "one"
     out = run_miles(tmp_path, *common, "placement.num_processes=2", run_dir=two)
@@ -148,6 +150,7 @@ def test_miles_train_with_the_distributed_optimizer_resumes_on_another_process_c
     want, got = (json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]) for run in (two, one))
     assert got["step"] == want["step"] == 2
     assert got["reward/mean"] == want["reward/mean"]
+    assert got["time/offload"] == want["time/offload"] == 0.0
     for key in ("train/loss", "train/grad_norm"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     out = run_miles(tmp_path, *common, resume, "trainer.distributed_optimizer=false", run_dir=tmp_path / "x")
