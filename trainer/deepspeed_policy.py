@@ -93,10 +93,11 @@ class DeepSpeedPolicy(nn.Module):
             set_z3_leaf_modules(self.lm, [type(layer) for layer in self.lm.model.layers][:1])
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg)
-        if cfg.offload_optimizer != "none":  # the step runs on host tensors: the foreach kernels, not fused
-            for group in optimizer.param_groups:
-                group["fused"] = None
-            optimizer.defaults["fused"] = None
+        if cfg.offload_optimizer != "none":
+            # The step runs on host float32 shards: torch's fused CPU AdamW (~6x its per-op form), so no
+            # DeepSpeed CPU-Adam build is needed.
+            for group in [*optimizer.param_groups, optimizer.defaults]:
+                group["fused"], group["foreach"] = True, None
         engine, _, _, _ = deepspeed.initialize(
             model=self.wrapped, optimizer=optimizer, config=config, dist_init_required=False
         )

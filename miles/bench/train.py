@@ -8,6 +8,9 @@ bf16 peak), peak device memory (the bench's own copy of the starting weights inc
 update's loss and gradient norm (the backends must agree on those).
 `--layers N` keeps only the first N layers of the preset (a 30B-A3B shape in a fraction of its memory).
 `--profile N` (CUDA) then profiles one more update and lists its N costliest kernels by device time.
+`--backend deepspeed` trains under a DeepSpeed ZeRO engine (`--zero-stage`, `--offload-optimizer cpu`,
+`--offload-param cpu`); a backend that runs out of device memory is reported as such (with the memory it
+reached), and the process's peak host memory is reported too (the offloaded optimizer lives there).
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--arch", default=None, help="with --model tiny: qwen3 | qwen3_moe | llama")
     p.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
-    p.add_argument("--backend", default="torch,megatron", help="comma-separated: torch, megatron")
+    p.add_argument("--backend", default="torch,megatron", help="comma-separated: torch, megatron, deepspeed")
+    p.add_argument("--zero-stage", type=int, default=3, help="deepspeed: ZeRO stage 1 | 2 | 3")
+    p.add_argument("--offload-optimizer", default="none", help="deepspeed: none | cpu")
+    p.add_argument("--offload-param", default="none", help="deepspeed, stage 3: none | cpu")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--response-len", type=int, default=256)
@@ -102,12 +108,39 @@ def bench_backend(
         precision=a.precision,
         master_weights=not a.no_master_weights,
         lr=1e-6,
+        zero_stage=a.zero_stage,
+        offload_optimizer=a.offload_optimizer,
+        offload_param=a.offload_param,
     )
+    on_cuda = model.device.type == "cuda"
+    try:
+        return _bench(backend, cfg, model, samples, a, on_cuda)
+    except torch.cuda.OutOfMemoryError as err:
+        peak = torch.cuda.max_memory_allocated() if on_cuda else None
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+        return {
+            "backend": backend,
+            "error": f"CUDA out of memory: {str(err)[:200]}",
+            "peak_memory_bytes": peak,
+        }
+
+
+def _bench(
+    backend: str,
+    cfg: TrainerConfig,
+    model: CausalLM,
+    samples: list[Sample],
+    a: argparse.Namespace,
+    on_cuda: bool,
+) -> dict[str, Any]:
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
     policy = build_policy(backend, model, precision=a.precision)
     trainer = PolicyTrainer(
         policy, cfg, AlgorithmConfig(), temperature=1.0, total_optimizer_steps=a.steps + 1
     )
-    on_cuda = model.device.type == "cuda"
     first = trainer.train_step(copy.deepcopy(samples))  # warm-up (allocations, kernel selection)
     if on_cuda:
         torch.cuda.synchronize()
@@ -129,6 +162,7 @@ def bench_backend(
         "tokens_per_s": tokens / seconds,
         "mfu": None if None in mfu else sorted(mfu)[len(mfu) // 2],  # None: unknown device peak (CPU)
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if on_cuda else None,
+        "peak_host_bytes": _peak_host_bytes(),
         "first_loss": first["train/loss"],
         "first_grad_norm": first["train/grad_norm"],
     }
@@ -139,6 +173,13 @@ def bench_backend(
     if on_cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def _peak_host_bytes() -> int:
+    """This process's peak resident host memory so far (Linux reports kilobytes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _profile(trainer: PolicyTrainer, samples: list[Sample], top: int) -> dict[str, Any]:
@@ -183,6 +224,11 @@ def main(argv: list[str]) -> int:
         "precision": a.precision,
         "dtype": a.dtype,
         "master_weights": a.dtype != "float32" and not a.no_master_weights,
+        "deepspeed": {
+            "zero_stage": a.zero_stage,
+            "offload_optimizer": a.offload_optimizer,
+            "offload_param": a.offload_param,
+        },
         "samples": a.samples,
         "tokens_per_sample": a.prompt_len + a.response_len,
         "results": results,
@@ -196,6 +242,9 @@ def main(argv: list[str]) -> int:
     print("|---|---|---|---|---|---|---|")
     for r in results:
         memory = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r["peak_memory_bytes"] else "-"
+        if "error" in r:
+            print(f"| {r['backend']} | {r['error'][:60]} (reached {memory}) | | | | | |")
+            continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(
             f"| {r['backend']} | {r['seconds_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
