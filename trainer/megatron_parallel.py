@@ -253,6 +253,6 @@ def _replayed_rows(state: RoutingState, moe_index: int, rows: int, top_k: int) -
 
 
 def moe_layer_indices(args: ModelArgs) -> dict[int, int]:
-    """Megatron layer number (from 1) -> index among the MoE layers (the routing tensors' first dimension)."""
+    """Layer (from 0) -> index among the MoE layers (the routing tensors' first dimension)."""
     moe = [layer for layer in range(args.num_hidden_layers) if args.is_moe_layer(layer)]
-    return {layer + 1: index for index, layer in enumerate(moe)}
+    return {layer: index for index, layer in enumerate(moe)}

@@ -422,10 +422,11 @@ class MegatronPolicy(nn.Module):
 
         self.gpt = build_alltoall_dispatcher_on_cpu(build) if device.type == "cpu" else build()
         moe_index = moe_layer_indices(args)
-        for module in self.gpt.modules():
+        for name, module in self.gpt.named_modules():
             if hasattr(module, "gating") and hasattr(module, "routing"):  # megatron's MoE routers
                 module.gating = types.MethodType(_float32_gating, module)
-                install_routing(module, moe_index[module.layer_number], args, self._routing)
+                layer = int(name.split(".")[2])  # decoder.layers.<i>.mlp.router
+                install_routing(module, moe_index[layer], args, self._routing)
             if hasattr(module, "token_dispatcher") and hasattr(module, "experts"):  # megatron's MoE layers
                 if device.type == "cpu":
                     cpu_dispatcher(module.token_dispatcher)
