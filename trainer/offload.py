@@ -76,8 +76,10 @@ class OptimizerOffload:
         tensors = []
         if trainer.masters is not None:
             tensors += [m for p, m in zip(trainer.masters.params, trainer.masters.masters) if m is not p]
+        # the fused kernel keeps its step counts on the device too (a resume loads them beside the masters)
+        fused = any(g.get("fused") for g in trainer.optimizer.param_groups)
         for state in trainer.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and (v.dim() > 0 or fused)]
         return tensors
 
     def state_bytes(self) -> int:

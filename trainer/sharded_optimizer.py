@@ -276,7 +276,8 @@ class ShardedAdamW:
     def gather_into_model(self, bucket: Bucket) -> None:
         """Every rank's updated slice, in the weights' dtype, into the parameters."""
         group = bucket.group
-        local = bucket.master.to(bucket.dtype)
+        # on the weights' device: a resume may load the shards while they are offloaded to the host
+        local = bucket.master.to(device=bucket.segments[0].param.device, dtype=bucket.dtype)
         if group.enabled:
             import torch.distributed as dist
 

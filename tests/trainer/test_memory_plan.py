@@ -94,3 +94,31 @@ def test_offload_moves_the_state_out_between_updates_and_trains_the_same(distrib
     # nothing held back from the KV pool: the update takes the memory the pool gives back
     assert side.memory_reserve_bytes() == 0 < offloaded.memory_reserve_bytes()
     assert OptimizerOffload(offloaded, True).enabled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("distributed", [False, True], ids=["replicated", "distributed"])
+def test_an_offloaded_trainer_resumes_into_the_same_run(distributed: bool, tmp_path) -> None:
+    """A checkpoint loaded while the state sits on the host (the trainer side offloads it when built)."""
+    from miles.distributed import SINGLE
+    from miles.rl.sharded_checkpoint import load_optimizer_shards, move_into, save_optimizer_shards
+
+    first = _trainer("cuda", distributed, True)
+    side = TrainerSide(first)
+    side.train([], scored_samples(8), True, {})
+    state = copy.deepcopy(first.state_dict())
+    folder = tmp_path / "checkpoint"
+    if distributed:
+        folder.mkdir()
+        move_into(save_optimizer_shards(first.sharded, tmp_path / "checkpoints", 1, SINGLE), folder)
+    fresh = _trainer("cuda", distributed, True)
+    fresh.model.load_state_dict(first.model.state_dict())
+    resumed = TrainerSide(fresh)
+    fresh.load_state_dict(state)
+    if distributed:
+        load_optimizer_shards(fresh.sharded, folder, state["meta"]["distributed_optimizer"], SINGLE)
+    for each in (side, resumed):
+        each.train([], scored_samples(8, seed=1), True, {})
+    for (name, want), got in zip(first.model.state_dict().items(), fresh.model.state_dict().values()):
+        assert torch.equal(got, want), name
