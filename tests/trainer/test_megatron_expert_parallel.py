@@ -115,3 +115,31 @@ def test_layouts_that_cannot_split_fail_at_start_with_what_to_do() -> None:
 
     with pytest.raises(MilesUserError, match="gloo has no all-gather of uneven parts"):
         install_cpu_collectives(torch.device("cpu"), ParallelSizes(expert=2, expert_tensor=2))
+
+
+@pytest.mark.slow
+def test_grpo_with_expert_parallel_follows_data_parallel_and_resumes_at_any_layout(tmp_path: Path) -> None:
+    # the shipped tiny MoE (4 experts): EP=2 over 2 processes against 2 data-parallel processes
+    from miles.tracking import read_records
+    from tests.support.cli import run_miles
+    from tests.trainer.test_megatron import COMMON
+
+    common = [*COMMON, "trainer.backend=megatron", "placement.num_processes=2", "algorithm.entropy_coef=0.01"]
+    runs = tmp_path / "runs"
+    for name, extra in {
+        "ep2": ["trainer.expert_parallel_size=2"],
+        "dp2": [],
+        "dp2_from_ep2": [f"trainer.resume_from={runs / 'ep2'}/checkpoints/step_000001"],
+    }.items():
+        out = run_miles(tmp_path, *common, *extra, run_dir=runs / name)
+        assert out.returncode == 0, out.stderr[-3000:]
+    ep2, dp2 = read_records(runs / "ep2"), read_records(runs / "dp2")
+    for mine, theirs in zip(ep2, dp2, strict=True):
+        assert mine["sync/checksum_ok"] == mine["sync/replicas_equal"] == 1.0
+        assert mine["mismatch/logprob_abs_diff_max"] < 1e-5  # the engine's model vs the expert-split megatron
+        assert mine["reward/mean"] == theirs["reward/mean"]
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4), key  # the 1e-4
+    switched = read_records(runs / "dp2_from_ep2")[-1]  # the checkpoint holds whole experts
+    for key in ("train/loss", "train/grad_norm", "train/lr"):
+        assert switched[key] == pytest.approx(ep2[-1][key], rel=1e-4), key
