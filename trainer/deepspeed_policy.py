@@ -238,10 +238,12 @@ class ZeroStep:
 
     @staticmethod
     def load_schedule_meta(trainer: Any, meta: dict[str, Any]) -> None:
-        if meta.get("optimizer") != "deepspeed":
+        """The schedule's position; refused where the checkpoint's optimizer state is not DeepSpeed's or
+        the trainer is not the deepspeed backend (either way the state would not fit)."""
+        if meta.get("optimizer") != "deepspeed" or trainer.zero is None:
             raise MilesUserError(
-                "this checkpoint was not written by trainer.backend=deepspeed (its optimizer state is another "
-                "backend's); resume it with the backend that wrote it"
+                "this checkpoint's optimizer state and this run's trainer.backend disagree (one is "
+                "deepspeed, the other not); resume it with the backend that wrote it"
             )
         trainer.optimizer_steps_done = int(meta["optimizer_steps_done"])
         total = meta.get("total_optimizer_steps")

@@ -33,7 +33,7 @@ from miles.distributed import SINGLE, DataParallel
 from miles.models import CausalLM, fused
 from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
-from miles.trainer.deepspeed_policy import DeepSpeedPolicy
+from miles.trainer.deepspeed_policy import DeepSpeedPolicy, ZeroStep
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
 from miles.trainer.logprobs import autocast, packed_logprobs, use_fused_kernels
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
@@ -335,8 +335,8 @@ class PolicyTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         tensors, meta = state["tensors"], state["meta"]
-        if self.zero is not None:  # the shards come from DeepSpeed's own checkpoint (ZeroStep.load)
-            return self.zero.load_schedule_meta(self, meta)
+        if self.zero is not None or meta.get("optimizer") == "deepspeed":  # shards: ZeroStep.load
+            return ZeroStep.load_schedule_meta(self, meta)
         check_optimizer_kind(self, meta)
         if self.sharded is not None:
             return load_sharded_state_dict(self, meta)

@@ -211,10 +211,14 @@ def main(argv: list[str]) -> int:
     samples = random_samples(a, model.args.vocab_size)
     params = sum(p.numel() for p in model.parameters())
     results = []
-    for backend in backends:
-        # every backend starts from the same weights: the torch backend trains `model` itself
+    for i, backend in enumerate(backends):
+        # every backend starts from the same weights: the torch backend trains `model` itself (a copy of it
+        # when another backend runs after it), as it trains the engine's module in a run
+        last = i == len(backends) - 1
         results.append(
-            bench_backend(backend, copy.deepcopy(model) if backend == "torch" else model, samples, a)
+            bench_backend(
+                backend, copy.deepcopy(model) if backend == "torch" and not last else model, samples, a
+            )
         )
     report = {
         "model": a.model,
