@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from miles.config import TrainerConfig
+from miles.distributed import DataParallel
 from miles.errors import MilesUserError
 from miles.trainer.deepspeed_config import check_deepspeed_settings, deepspeed_config
 from tests.support.deepspeed import offload_worker, zero_worker
@@ -88,3 +89,13 @@ def test_the_deepspeed_config_comes_from_the_trainer_settings() -> None:
 def test_bad_deepspeed_settings_are_refused_at_start(settings: dict, says: str) -> None:
     with pytest.raises(MilesUserError, match=says.replace("[", r"\[")):
         check_deepspeed_settings(TrainerConfig(backend="deepspeed", **settings))
+
+
+def test_a_deepspeed_checkpoint_does_not_resume_into_another_backend() -> None:
+    from tests.support.deepspeed import trainer_for
+    from tests.support.tp import tiny_dense
+
+    trainer = trainer_for(tiny_dense(tied=False), {"backend": "torch"}, DataParallel())
+    meta = {"optimizer": "deepspeed", "optimizer_steps_done": 1, "total_optimizer_steps": 3}
+    with pytest.raises(MilesUserError, match="resume it with the backend that wrote it"):
+        trainer.load_state_dict({"tensors": {}, "meta": meta})
