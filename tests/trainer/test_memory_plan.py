@@ -122,3 +122,17 @@ def test_an_offloaded_trainer_resumes_into_the_same_run(distributed: bool, tmp_p
         each.train([], scored_samples(8, seed=1), True, {})
     for (name, want), got in zip(first.model.state_dict().items(), fresh.model.state_dict().values()):
         assert torch.equal(got, want), name
+
+
+def test_memory_plan_bench_runs_every_variant_on_one_update(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from miles.bench.memory_plan import main
+
+    args = "--model tiny --arch qwen3_moe --samples 4 --prompt-len 8 --response-len 8 --steps 1"
+    assert main([*args.split(), "--variants", "replicated,distributed+full+offload"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    replicated, distributed = report["results"]
+    assert distributed["first_loss"] == pytest.approx(replicated["first_loss"], abs=1e-6)
+    assert distributed["first_grad_norm"] == pytest.approx(replicated["first_grad_norm"], rel=1e-5)
+    assert distributed["optimizer_state_gb"] == pytest.approx(replicated["optimizer_state_gb"], rel=0.01)
