@@ -268,7 +268,8 @@ class TrainerConfig:
     distributed_optimizer: bool = False
     """Shard the float32 master weights, AdamW moments and reduced gradients over the data-parallel ranks
     (trainer/sharded_optimizer.py): gradients reduce-scattered, updated weights all-gathered; checkpoints then
-    hold each rank's shards (torch.distributed.checkpoint)."""
+    hold each rank's shards (torch.distributed.checkpoint). It always keeps float32 master slices (whatever
+    trainer.master_weights says)."""
     recompute: str = "none"
     """Activation recomputation in the backward: none | selective (attention and MLP internals) | full
     (each whole layer); torch and megatron backends (trainer/recompute.py)."""
