@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -44,10 +45,16 @@ def ep_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> No
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cuda = case.get("device") == "cuda"
+    if not cuda:  # megatron's collectives run on the CPU in processes without CUDA (megatron_parallel.py)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        dp = DataParallel(rank=rank, world_size=world, local_rank=rank)
-        model = tiny_moe()
+        dp = DataParallel(rank=rank, world_size=world, local_rank=rank, on_cuda=cuda)
+        model = tiny_moe().to(torch.device("cuda", rank) if cuda else "cpu")
         policy = build_policy("megatron", copy.deepcopy(model), **sizes(case))
         samples = scored_samples(case["num_samples"])
         if case.get("replay"):
@@ -67,8 +74,8 @@ def ep_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> No
         if rank == 0:
             save_file(
                 {
-                    **{f"w.{k}": v.contiguous() for k, v in weights.items()},
-                    **{f"resumed.{k}": v.contiguous() for k, v in resumed_weights.items()},
+                    **{f"w.{k}": v.cpu().contiguous() for k, v in weights.items()},
+                    **{f"resumed.{k}": v.cpu().contiguous() for k, v in resumed_weights.items()},
                 },
                 str(Path(out_dir) / "rank0.safetensors"),
             )

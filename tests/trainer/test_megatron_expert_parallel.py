@@ -42,12 +42,31 @@ def _untimed(metrics: dict[str, float]) -> dict[str, float]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_split_experts_update_equals_one_process(name: str, tmp_path: Path) -> None:
+    _check_against_one_process(CASES[name], tmp_path)
+
+
+GPU_CASES = {
+    "ep2": {"world": 2, "ep": 2},
+    "etp2": {"world": 2, "etp": 2},  # expert-TP over ranks with different tokens: NCCL's uneven all-gather
+    "ep2_replay": {"world": 2, "ep": 2, "replay": True},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_split_experts_on_two_gpus_equal_one_process(name: str, tmp_path: Path) -> None:
+    """The same over NCCL on 2 GPUs (float32), against one CPU process of the torch backend."""
+    _check_against_one_process({**GPU_CASES[name], "device": "cuda"}, tmp_path)
+
+
+def _check_against_one_process(split: dict, tmp_path: Path) -> None:
     # AdamW's first steps move a weight by about lr * sign(g): where g is ~0 up to the order of float additions
     # (another reduction order here) it moves a little more or less. lr 1e-3 and eps 1e-6 keep that under the
     # 1e-5 compared (scale errors do not show in the weights; train/grad_norm compares them).
     case = {"eps": 1e-6, "lr": 1e-3, "steps": 1, "global_batch_size": 6, "num_samples": 12}
     case["loss_agg"] = "token_mean"
-    case.update(CASES[name])
+    case.update(split)
     world = case["world"]
     mp.start_processes(
         ep_worker,
@@ -114,16 +133,23 @@ def test_layouts_that_cannot_split_fail_at_start_with_what_to_do() -> None:
     from miles.trainer.megatron_parallel import install_cpu_collectives
 
     with pytest.raises(MilesUserError, match="gloo has no all-gather of uneven parts"):
-        install_cpu_collectives(torch.device("cpu"), ParallelSizes(expert=2, expert_tensor=2))
+        with pytest.MonkeyPatch.context() as patch:  # as in a process without CUDA
+            patch.setattr(torch.cuda, "is_available", lambda: False)
+            install_cpu_collectives(torch.device("cpu"), ParallelSizes(expert=2, expert_tensor=2))
 
 
 @pytest.mark.slow
-def test_grpo_with_expert_parallel_follows_data_parallel_and_resumes_at_any_layout(tmp_path: Path) -> None:
+def test_grpo_with_expert_parallel_follows_data_parallel_and_resumes_at_any_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the shipped tiny MoE (4 experts): EP=2 over 2 processes against 2 data-parallel processes
     from miles.tracking import read_records
     from tests.support.cli import run_miles
     from tests.trainer.test_megatron import COMMON
 
+    monkeypatch.setenv(
+        "CUDA_VISIBLE_DEVICES", ""
+    )  # CPU processes (megatron_parallel.install_cpu_collectives)
     common = [*COMMON, "trainer.backend=megatron", "placement.num_processes=2", "algorithm.entropy_coef=0.01"]
     runs = tmp_path / "runs"
     for name, extra in {
