@@ -172,6 +172,8 @@ def split_moe_over_tp(moe: Any, group: Any, state: Any) -> None:
     moe.config.sequence_parallel = True
 
     def sliced(self: Any, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("padding_mask") is not None:  # the policy packs without padding: none to slice along
+            raise RuntimeError("an MoE layer split over TP takes no padding_mask")
         rows = hidden.shape[0]
         pad = -rows % size
         if pad:
