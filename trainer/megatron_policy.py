@@ -403,13 +403,13 @@ class MegatronPolicy(nn.Module):
         self._routing = RoutingState()
 
         def build() -> GPTModel:
-            with (
-                warnings.catch_warnings()
-            ):  # per-layer deprecation notes about megatron's own argument defaults
+            with warnings.catch_warnings():
+                # per-layer deprecation notes about megatron's own argument defaults, and its note that
+                # EP x TP wants sequence parallelism (the MoE layers run sequence-split: megatron_parallel.py)
                 warnings.simplefilter("ignore", DeprecationWarning)
-                warnings.simplefilter(
-                    "ignore", UserWarning
-                )  # EP x TP without megatron's sequence parallelism
+                warnings.filterwarnings(
+                    "ignore", message="When using expert parallelism and tensor parallelism"
+                )
                 return GPTModel(
                     config=transformer_config(args, dtype, device, tensor_parallel, sizes),
                     transformer_layer_spec=_layer_specs(args, self._packing),
