@@ -1,6 +1,7 @@
-"""`miles train recipe=grpo_math trainer.backend=deepspeed` on CPU, 2 processes over gloo (the launcher sets up
-the group; nothing to set by hand): ZeRO-3 follows the torch backend's run step for step, the engine's weights
-pass the sync's checksums, and a resume from a checkpoint (HF weights + DeepSpeed's shards) repeats step 2."""
+"""`miles train recipe=grpo_math trainer.backend=deepspeed` on CPU, 2 processes over gloo (the launcher,
+or the Ray placement's actors, set up the group; nothing to set by hand): ZeRO-3 follows the torch backend's
+run step for step, the engine's weights pass the sync's checksums (engines in other processes too, under
+Ray), and a resume from a checkpoint (HF weights + DeepSpeed's shards) repeats step 2."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def test_grpo_math_with_zero3_follows_the_torch_backend_and_resumes(tmp_path: Pa
         assert mine["reward/mean"] == theirs["reward/mean"]
         assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-3, abs=1e-6)
         assert mine["train/grad_norm"] == pytest.approx(theirs["train/grad_norm"], rel=1e-3)
+    # the Ray placement: trainer-rank actors (their own process group) and engine actors in other processes,
+    # the gathered weights sent through shared memory
+    pytest.importorskip("ray")
+    ray_args = ["placement=ray", "placement.cpus_per_actor=0.5", "trainer.save_every=0"]
+    out = run_miles(tmp_path, *COMMON, *ZERO3, *ray_args, run_dir=runs / "ray")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for mine, theirs in zip(read_records(runs / "ray"), zero, strict=True):
+        assert mine["sync/checksum_ok"] == 1.0 and mine["reward/mean"] == theirs["reward/mean"]
+        assert mine["train/loss"] == pytest.approx(theirs["train/loss"], rel=1e-5, abs=1e-7)
+
     step1 = runs / "zero3" / "checkpoints" / "step_000001"
     assert (step1 / "deepspeed" / "state").is_dir()  # every rank's shards, moved in whole
 
