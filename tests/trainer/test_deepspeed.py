@@ -23,9 +23,13 @@ pytest.importorskip("deepspeed")
 UNTIMED = ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/lr", "train/kl")
 
 
-@pytest.mark.parametrize("stage,tied", [(2, False), (3, True)], ids=["zero2_untied", "zero3_tied"])
-def test_zero_update_equals_the_torch_backend(stage: int, tied: bool, tmp_path: Path) -> None:
-    case = {"stage": stage, "tied": tied}
+@pytest.mark.parametrize(
+    "stage,tied,moe",
+    [(2, False, False), (3, True, False), (3, False, True)],
+    ids=["zero2", "zero3_tied", "zero3_moe"],
+)
+def test_zero_update_equals_the_torch_backend(stage: int, tied: bool, moe: bool, tmp_path: Path) -> None:
+    case = {"stage": stage, "tied": tied, "moe": moe}
     mp.start_processes(
         zero_worker, args=(2, str(tmp_path / "store"), case, str(tmp_path)), nprocs=2, start_method="spawn"
     )
