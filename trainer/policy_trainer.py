@@ -189,9 +189,7 @@ class PolicyTrainer:
         if n_total == 0:
             raise ValueError("train_step got no samples; skip the update when a rollout yields none")
         all_ids = list(range(n))
-        masks = [
-            torch.tensor(response_loss_mask(s), dtype=torch.float32, device=self.device) for s in samples
-        ]
+        masks = rows_on_device([response_loss_mask(s) for s in samples], self.device)
         replay = self.cfg.routing_replay
 
         gbs, epochs = self.cfg.global_batch_size, self.cfg.epochs_per_rollout
@@ -257,9 +255,7 @@ class PolicyTrainer:
         if self._positions(samples)[1] == 0:
             raise ValueError("sft_step got no samples")
         self._size_schedule(1)
-        masks = [
-            torch.tensor(response_loss_mask(s), dtype=torch.float32, device=self.device) for s in samples
-        ]
+        masks = rows_on_device([response_loss_mask(s) for s in samples], self.device)
         data = TokenData(loss_mask=masks, old_logprobs=None)
         all_ids = list(range(len(samples)))
         step = self._optimizer_step(
@@ -458,12 +454,9 @@ class PolicyTrainer:
         return result
 
     def _rollout_logprobs(self, samples: list[Sample]) -> list[torch.Tensor | None]:
-        rollout = [
-            torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-            if s.rollout_logprobs
-            else None
-            for s in samples
-        ]
+        given = [s for s in samples if s.rollout_logprobs]
+        on_device = iter(rows_on_device([s.rollout_logprobs for s in given], self.device))
+        rollout = [next(on_device) if s.rollout_logprobs else None for s in samples]
         if any(r is None for r in rollout) and not self._warned_missing_logprobs:
             self._warned_missing_logprobs = True
             logger.warning(
@@ -595,6 +588,9 @@ class PolicyTrainer:
         data.recorded_old.update(zip(ids, per_sample))
         if data.tis_cap is None or data.rollout_logprobs is None:
             return old, None
+        rollout = [data.rollout_logprobs[i] for i in ids]
+        if all(r is not None for r in rollout):  # the usual case: one kernel for the micro-batch
+            return old, torch.exp(old - torch.cat(rollout)).clamp(max=data.tis_cap)  # type: ignore[arg-type]
         weights = [
             torch.ones_like(o)
             if data.rollout_logprobs[i] is None
@@ -727,6 +723,13 @@ def _grad_buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return buckets
 
 
+def rows_on_device(rows: list[list[float]], device: torch.device) -> list[torch.Tensor]:
+    """Per-sample float32 rows on `device` through one host-to-device copy (a copy per row costs a small
+    model's update hundreds of transfers)."""
+    flat = torch.tensor([x for row in rows for x in row], dtype=torch.float32)
+    return list(torch.split(flat.to(device), [len(row) for row in rows]))
+
+
 def _mismatch_metrics(
     old: list[torch.Tensor],
     rollout: list[torch.Tensor | None],
@@ -734,25 +737,23 @@ def _mismatch_metrics(
     dp: DataParallel = SINGLE,
 ) -> dict[str, float]:
     """Trainer-vs-engine agreement over the loss tokens of samples that carry rollout logprobs (of every
-    rank's samples)."""
-    pairs = [(o, r, m > 0) for o, r, m in zip(old, rollout, masks) if r is not None]
-    count, diff_sum, kl_sum, diff_max = 0.0, 0.0, 0.0, 0.0
-    if pairs and any(keep.any() for _, _, keep in pairs):
-        trainer_lp = torch.cat([o[keep] for o, _, keep in pairs])
-        rollout_lp = torch.cat([r[keep] for _, r, keep in pairs])
-        diff = (trainer_lp - rollout_lp).abs()
+    rank's samples). Computed on the concatenated tokens with masked sums: one host sync for the batch."""
+    pairs = [(o, r, m) for o, r, m in zip(old, rollout, masks) if r is not None]
+    stats = torch.zeros(4, dtype=torch.float64)  # kept tokens, sum |diff|, sum kl, max |diff|
+    if pairs and any(o.numel() for o, _, _ in pairs):
+        trainer_lp = torch.cat([o for o, _, _ in pairs])
+        rollout_lp = torch.cat([r for _, r, _ in pairs])
+        keep = torch.cat([m for _, _, m in pairs]) > 0
+        diff = torch.where(keep, (trainer_lp - rollout_lp).abs(), 0.0)
         # The engine sampled these tokens, so k3 with r = pi_trainer / pi_rollout is unbiased for KL(rollout || trainer).
-        kl = kl_estimate(rollout_lp, trainer_lp, "k3")
-        if not dp.enabled:
-            return {
-                "mismatch/logprob_abs_diff_mean": diff.mean().item(),
-                "mismatch/logprob_abs_diff_max": diff.max().item(),
-                "mismatch/kl": kl.mean().item(),
-            }
-        count = float(diff.numel())
-        diff_sum, kl_sum, diff_max = diff.double().sum().item(), kl.double().sum().item(), diff.max().item()
-    count, diff_sum, kl_sum = dp.all_reduce_floats([count, diff_sum, kl_sum])
-    diff_max = dp.all_reduce_floats([diff_max], "max")[0]
+        kl = torch.where(keep, kl_estimate(rollout_lp, trainer_lp, "k3"), 0.0)
+        stats = torch.stack(
+            [keep.sum().double(), diff.double().sum(), kl.double().sum(), diff.max().double()]
+        ).cpu()
+    count, diff_sum, kl_sum, diff_max = stats.tolist()
+    if dp.enabled:
+        count, diff_sum, kl_sum = dp.all_reduce_floats([count, diff_sum, kl_sum])
+        diff_max = dp.all_reduce_floats([diff_max], "max")[0]
     if count == 0:
         return {}
     return {
@@ -769,33 +770,44 @@ def _tis_weights(
     cap: float,
     dp: DataParallel = SINGLE,
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """Per-token min(pi_old / pi_rollout, cap) (ones where the engine gave no logprobs) and their stats."""
-    weights, raw_kept = [], []
-    for o, r, m in zip(old, rollout, masks):
-        if r is None:
-            weights.append(torch.ones_like(o))
-            continue
-        raw = torch.exp(o - r)
-        weights.append(raw.clamp(max=cap))
-        raw_kept.append(raw[m > 0])
+    """Per-token min(pi_old / pi_rollout, cap) (ones where the engine gave no logprobs) and their stats,
+    computed on the concatenated tokens (one host sync for the batch) and split back per sample."""
+    weights: list[torch.Tensor] = []
     count, clipped, weight_sum = 0.0, 0.0, 0.0
-    if sum(x.numel() for x in raw_kept):
-        raw_all = torch.cat(raw_kept)
-        if not dp.enabled:
-            return weights, {
-                "mismatch/tis_clipfrac": (raw_all > cap).float().mean().item(),
-                "mismatch/tis_weight_mean": raw_all.clamp(max=cap).mean().item(),
-            }
-        count = float(raw_all.numel())
-        clipped = (raw_all > cap).double().sum().item()
-        weight_sum = raw_all.clamp(max=cap).double().sum().item()
-    count, clipped, weight_sum = dp.all_reduce_floats([count, clipped, weight_sum])
+    if old:  # (a data-parallel rank without samples still joins the reduction)
+        old_all = torch.cat(old)
+        has_rollout = [r is not None for r in rollout]
+        rollout_all = torch.cat([r if r is not None else o for o, r in zip(old, rollout)])
+        raw = torch.exp(old_all - rollout_all)  # 1 where the sample has no rollout logprobs
+        weights_all = raw.clamp(max=cap)
+        lengths = [o.numel() for o in old]
+        counted = torch.cat(masks) > 0
+        if not all(has_rollout):
+            with_rollout = _rows_with(has_rollout, lengths, old_all.device)
+            weights_all = torch.where(with_rollout, weights_all, 1.0)
+            counted &= with_rollout
+        weights = list(torch.split(weights_all, lengths))
+        stats = [
+            counted.sum(),
+            ((raw > cap) & counted).sum(),
+            torch.where(counted, weights_all, 0.0).double().sum(),
+        ]
+        count, clipped, weight_sum = torch.stack([x.double() for x in stats]).cpu().tolist()
+    if dp.enabled:
+        count, clipped, weight_sum = dp.all_reduce_floats([count, clipped, weight_sum])
     if count == 0:
         return weights, {}
     return weights, {
         "mismatch/tis_clipfrac": clipped / count,
         "mismatch/tis_weight_mean": weight_sum / count,
     }
+
+
+def _rows_with(flags: list[bool], lengths: list[int], device: torch.device) -> torch.Tensor:
+    """A token mask: True on the tokens of the samples whose flag is set."""
+    return torch.repeat_interleave(
+        torch.tensor(flags, device=device), torch.tensor(lengths, device=device), output_size=sum(lengths)
+    )
 
 
 def _summarise(step_metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -431,3 +431,34 @@ def test_custom_policy_loss_by_dotted_path(tmp_path, monkeypatch) -> None:
     metrics = make_trainer(model, lr=0.0, algorithm=algorithm).train_step(samples)
     assert metrics["train/pg_loss"] == pytest.approx(expected, abs=1e-5)
     assert metrics["train/custom_one"] == pytest.approx(1.0)
+
+
+def test_batched_mismatch_and_tis_metrics_equal_the_per_sample_definition() -> None:
+    """The batch-wide computation (one host sync) against the definitions sample by sample: only loss tokens
+    of samples with rollout logprobs count; a masked token's extreme ratio changes nothing."""
+    from miles.trainer.policy_trainer import _mismatch_metrics, _tis_weights, rows_on_device
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7, 4]
+    old = [-torch.rand(n, generator=gen) * 3 for n in lengths]
+    rollout: list[torch.Tensor | None] = [o + 0.3 * torch.randn(o.shape, generator=gen) for o in old]
+    rollout[2] = None  # a sample the engine gave no logprobs
+    masks = rows_on_device([[1.0] * n for n in lengths], torch.device("cpu"))
+    masks[0][1] = 0.0
+    rollout[0][1] = -200.0  # masked out: its ratio (e^200) must not reach the metrics
+    cap = 1.5
+    kept = [(o, r, m > 0) for o, r, m in zip(old, rollout, masks) if r is not None]
+    diffs = torch.cat([(o - r).abs()[k] for o, r, k in kept])
+    kls = torch.cat([kl_estimate(r, o, "k3")[k] for o, r, k in kept])
+    ratios = torch.cat([torch.exp(o - r)[k] for o, r, k in kept])
+    metrics = _mismatch_metrics(old, rollout, masks)
+    assert metrics["mismatch/logprob_abs_diff_mean"] == pytest.approx(diffs.mean().item(), rel=1e-6)
+    assert metrics["mismatch/logprob_abs_diff_max"] == pytest.approx(diffs.max().item(), rel=1e-6)
+    assert metrics["mismatch/kl"] == pytest.approx(kls.mean().item(), rel=1e-5)
+    weights, tis = _tis_weights(old, rollout, masks, cap)
+    assert tis["mismatch/tis_clipfrac"] == pytest.approx((ratios > cap).float().mean().item())
+    assert tis["mismatch/tis_weight_mean"] == pytest.approx(ratios.clamp(max=cap).mean().item(), rel=1e-6)
+    for o, r, w in zip(old, rollout, weights):
+        want = torch.ones_like(o) if r is None else torch.exp(o - r).clamp(max=cap)
+        torch.testing.assert_close(w, want)
+    assert _mismatch_metrics([], [], []) == {} and _tis_weights([], [], [], cap) == ([], {})
