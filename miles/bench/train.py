@@ -45,6 +45,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=3, help="deepspeed: ZeRO stage 1 | 2 | 3")
     p.add_argument("--offload-optimizer", default="none", help="deepspeed: none | cpu")
     p.add_argument("--offload-param", default="none", help="deepspeed, stage 3: none | cpu")
+    p.add_argument(
+        "--deepspeed-extra",
+        default="{}",
+        help='deepspeed: JSON merged over its config, e.g. \'{"zero_optimization": {"sub_group_size": 1e8}}\'',
+    )
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--response-len", type=int, default=256)
@@ -111,6 +116,7 @@ def bench_backend(
         zero_stage=a.zero_stage,
         offload_optimizer=a.offload_optimizer,
         offload_param=a.offload_param,
+        deepspeed_extra=json.loads(a.deepspeed_extra),
     )
     on_cuda = model.device.type == "cuda"
     try:
@@ -232,6 +238,7 @@ def main(argv: list[str]) -> int:
             "zero_stage": a.zero_stage,
             "offload_optimizer": a.offload_optimizer,
             "offload_param": a.offload_param,
+            "extra": json.loads(a.deepspeed_extra),
         },
         "samples": a.samples,
         "tokens_per_sample": a.prompt_len + a.response_len,
