@@ -82,7 +82,8 @@ def test_cfg_job_prints_resolved_config(tmp_path: Path) -> None:
         (["trainer.max_steps=abc", "--cfg", "job"], "max_steps"),
         (["nosuchgroup.key=1"], "Valid keys"),
         (["+trainer.lerning_rate=1", "--cfg", "job"], "Valid keys under trainer"),  # `+` checks keys too
-        (["trainer.backend=deepspeed", "logging.wandb=false"], "trainer.backend=torch or megatron"),
+        (["trainer.backend=deepspeed", "trainer.zero_stage=4", "logging.wandb=false"], "not a ZeRO stage"),
+        (["trainer.backend=deepspeed", "trainer.offload_param=cpu"], "needs trainer.zero_stage=3"),
         (["trainer.backend=megatron", "trainer.precision=bf16", "model.device=cpu"], "precision=fp32 on CPU"),
         (
             ["placement=ray", "placement.num_engines=3", "logging.wandb=false"],
