@@ -344,9 +344,9 @@ def join_process_group(deepspeed: Any, dp: DataParallel, device: torch.device) -
             world_size=1,
         )
     # DeepSpeed reads these (its own checks) though the group exists; they describe the group we joined.
-    os.environ.setdefault("RANK", str(dist.get_rank()))
-    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    os.environ.setdefault("LOCAL_RANK", str(dp.local_rank))
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    os.environ["LOCAL_RANK"] = str(dp.local_rank)
     deepspeed.init_distributed(
         dist_backend=dist.get_backend(), auto_mpi_discovery=False, dist_init_required=False
     )
