@@ -90,7 +90,7 @@ class DeepSpeedPolicy(nn.Module):
         if cfg.zero_stage == 3:
             from deepspeed.utils import set_z3_leaf_modules
 
-            set_z3_leaf_modules(self.lm, [type(layer) for layer in self.lm.model.layers][:1])
+            set_z3_leaf_modules(self.lm, [type(self.lm.model.layers[0])])
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg)
         if cfg.offload_optimizer != "none":
@@ -165,7 +165,6 @@ class ZeroStep:
 
     def __init__(self, engine: Any, dp: DataParallel) -> None:
         self.engine, self.dp = engine, dp
-        self.device = engine.device if hasattr(engine, "device") else torch.device("cpu")
 
     def passes(self, mine: int) -> int:
         """The forward/backward passes every rank runs when this rank has `mine` micro-batches."""
