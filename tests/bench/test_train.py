@@ -31,7 +31,7 @@ def test_both_backends_report_the_same_first_update(capsys) -> None:
 
 def test_an_unknown_backend_is_refused() -> None:
     with pytest.raises(SystemExit, match="unknown --backend"):
-        bench_train.main(["--model", "tiny", "--arch", "qwen3", "--backend", "deepspeed"])
+        bench_train.main(["--model", "tiny", "--arch", "qwen3", "--backend", "fsdp"])
 
 
 @pytest.mark.gpu

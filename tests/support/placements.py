@@ -15,6 +15,18 @@ SHORT_GRPO = [
     "trainer.global_batch_size=8",
     "trainer.save_final=false",
 ]
+RESUMABLE_GRPO = [
+    "recipe=grpo_math",
+    "trainer.max_steps=2",
+    "trainer.save_every=1",
+    "trainer.eval_every=0",
+    "rollout.rollout_batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "trainer.global_batch_size=8",
+    "rollout.deterministic=true",
+    "model.device=cpu",
+]
+"""Two CPU steps with a checkpoint after each, bit for bit repeatable: a resume from step 1 must repeat step 2."""
 SAME_ON_EVERY_PLACEMENT = (
     "reward/mean",
     "reward/std",

@@ -20,8 +20,8 @@ from miles.trainer.algorithms import compute_advantages, get_policy_loss
 from miles.trainer.kl import kl_estimate
 from miles.trainer.logprobs import chunked_logprobs
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
+from miles.trainer.mismatch import tis_weights
 from miles.trainer.overlong import overlong_penalty
-from miles.trainer.policy_trainer import _tis_weights
 from tests.support.trainer import make_trainer, random_samples, reference_logprobs, tiny_model
 
 
@@ -272,7 +272,7 @@ def test_tis_weight_is_min_of_old_over_rollout_and_cap() -> None:
     # definition's weights are constants and the gradients agree
     old = [torch.tensor([-1.0, -0.2, -3.0])]
     rollout = [torch.tensor([-1.5, -2.0, -2.5])]
-    weights, metrics = _tis_weights(old, rollout, [torch.tensor([1.0, 1.0, 0.0])], cap=2.0)
+    weights, metrics = tis_weights(old, rollout, [torch.tensor([1.0, 1.0, 0.0])], cap=2.0)
     expected = [min(math.exp(o - r), 2.0) for o, r in zip([-1.0, -0.2, -3.0], [-1.5, -2.0, -2.5])]
     assert weights[0].tolist() == pytest.approx(expected)
     assert metrics["mismatch/tis_clipfrac"] == pytest.approx(0.5)  # of the two loss tokens, e^1.8 > 2

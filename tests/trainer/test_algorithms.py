@@ -14,7 +14,7 @@ from miles.sample import Sample
 from miles.trainer.algorithms import compute_advantages, get_advantage, get_policy_loss, register_advantage
 from miles.trainer.kl import kl_estimate
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
-from miles.trainer.policy_trainer import _mismatch_metrics, _tis_weights
+from miles.trainer.mismatch import mismatch_metrics, tis_weights
 
 
 def scored(rewards_by_group: list[list[float]]) -> list[Sample]:
@@ -133,7 +133,7 @@ def test_tis_weight_cap_and_clipfrac() -> None:
     old = [torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-2.0])]
     rollout = [torch.tensor([-1.0, -2.0, -0.5]), None]
     masks = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1.0])]
-    weights, metrics = _tis_weights(old, rollout, masks, cap=2.0)
+    weights, metrics = tis_weights(old, rollout, masks, cap=2.0)
     assert weights[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-0.5)])
     assert weights[1].tolist() == [1.0]  # no rollout logprobs: weight 1
     assert metrics["mismatch/tis_clipfrac"] == pytest.approx(1 / 3)
@@ -144,7 +144,7 @@ def test_mismatch_metrics_hand_computed() -> None:
     old = [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.5])]
     rollout = [torch.tensor([-1.1, -1.7, -9.0]), torch.tensor([-0.5, -0.5])]
     masks = [torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0])]  # the masked token's 6.0 gap is ignored
-    metrics = _mismatch_metrics(old, rollout, masks)
+    metrics = mismatch_metrics(old, rollout, masks)
     deltas = [0.1, -0.3, 0.0, 0.0]  # trainer - rollout over loss tokens
     assert metrics["mismatch/logprob_abs_diff_mean"] == pytest.approx(0.1, abs=1e-6)
     assert metrics["mismatch/logprob_abs_diff_max"] == pytest.approx(0.3, abs=1e-6)

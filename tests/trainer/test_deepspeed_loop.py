@@ -13,21 +13,11 @@ import torch
 from miles.models.checkpoint import iter_hf_tensors
 from miles.tracking import read_records
 from tests.support.cli import run_miles
+from tests.support.placements import RESUMABLE_GRPO
 
 pytest.importorskip("deepspeed")
 
-COMMON = [
-    "recipe=grpo_math",
-    "trainer.max_steps=2",
-    "trainer.save_every=1",
-    "trainer.eval_every=0",
-    "rollout.rollout_batch_size=4",
-    "rollout.n_samples_per_prompt=4",
-    "trainer.global_batch_size=8",
-    "rollout.deterministic=true",
-    "model.device=cpu",
-    "placement.num_processes=2",
-]
+COMMON = [*RESUMABLE_GRPO, "placement.num_processes=2"]
 ZERO3 = ["trainer.backend=deepspeed", "trainer.zero_stage=3"]
 
 

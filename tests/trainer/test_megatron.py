@@ -23,6 +23,7 @@ from miles.trainer.megatron_policy import MegatronPolicy
 from tests.models.test_parity import _build, random_ids, relative_error
 from tests.support.cli import run_miles
 from tests.support.dp import make_trainer, scored_samples, tiny_moe
+from tests.support.placements import RESUMABLE_GRPO
 
 SUPPORTED = [
     "qwen3_hd20_gqa3_untied",
@@ -257,17 +258,9 @@ def _single():
     return SINGLE
 
 
-COMMON = [
-    "recipe=grpo_math",
-    "trainer.max_steps=2",
-    "trainer.save_every=1",
-    "trainer.eval_every=0",
-    "rollout.rollout_batch_size=4",
-    "rollout.n_samples_per_prompt=4",
-    "trainer.global_batch_size=8",
-    "rollout.deterministic=true",
-    "model.device=cpu",  # bit-for-bit comparisons (the GPU form of the run is the `gpu` test below)
-]
+COMMON = list(
+    RESUMABLE_GRPO
+)  # on CPU: bit-for-bit comparisons (the GPU form of the run is the `gpu` test below)
 
 
 @pytest.mark.slow

@@ -436,7 +436,7 @@ def test_custom_policy_loss_by_dotted_path(tmp_path, monkeypatch) -> None:
 def test_batched_mismatch_and_tis_metrics_equal_the_per_sample_definition() -> None:
     """The batch-wide computation (one host sync) against the definitions sample by sample: only loss tokens
     of samples with rollout logprobs count; a masked token's extreme ratio changes nothing."""
-    from miles.trainer.policy_trainer import _mismatch_metrics, _tis_weights, rows_on_device
+    from miles.trainer.mismatch import mismatch_metrics, rows_on_device, tis_weights
 
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 3, 7, 4]
@@ -451,14 +451,14 @@ def test_batched_mismatch_and_tis_metrics_equal_the_per_sample_definition() -> N
     diffs = torch.cat([(o - r).abs()[k] for o, r, k in kept])
     kls = torch.cat([kl_estimate(r, o, "k3")[k] for o, r, k in kept])
     ratios = torch.cat([torch.exp(o - r)[k] for o, r, k in kept])
-    metrics = _mismatch_metrics(old, rollout, masks)
+    metrics = mismatch_metrics(old, rollout, masks)
     assert metrics["mismatch/logprob_abs_diff_mean"] == pytest.approx(diffs.mean().item(), rel=1e-6)
     assert metrics["mismatch/logprob_abs_diff_max"] == pytest.approx(diffs.max().item(), rel=1e-6)
     assert metrics["mismatch/kl"] == pytest.approx(kls.mean().item(), rel=1e-5)
-    weights, tis = _tis_weights(old, rollout, masks, cap)
+    weights, tis = tis_weights(old, rollout, masks, cap)
     assert tis["mismatch/tis_clipfrac"] == pytest.approx((ratios > cap).float().mean().item())
     assert tis["mismatch/tis_weight_mean"] == pytest.approx(ratios.clamp(max=cap).mean().item(), rel=1e-6)
     for o, r, w in zip(old, rollout, weights):
         want = torch.ones_like(o) if r is None else torch.exp(o - r).clamp(max=cap)
         torch.testing.assert_close(w, want)
-    assert _mismatch_metrics([], [], []) == {} and _tis_weights([], [], [], cap) == ([], {})
+    assert mismatch_metrics([], [], []) == {} and tis_weights([], [], [], cap) == ([], {})

@@ -124,16 +124,10 @@ def test_miles_train_with_the_distributed_optimizer_resumes_on_another_process_c
     into each checkpoint; one process resumes from step 1 and repeats step 2 (to float rounding: the
     gradients sum in another order)."""
     from tests.support.cli import run_miles
+    from tests.support.placements import RESUMABLE_GRPO
 
     common = [
-        "recipe=grpo_math",
-        "trainer.max_steps=2",
-        "trainer.save_every=1",
-        "trainer.eval_every=0",
-        "rollout.rollout_batch_size=4",
-        "rollout.n_samples_per_prompt=4",
-        "trainer.global_batch_size=8",
-        "rollout.deterministic=true",
+        *RESUMABLE_GRPO,
         "trainer.distributed_optimizer=true",
         "trainer.recompute=full",
         "trainer.offload_optimizer_during_rollout=true",  # a no-op without CUDA, logged as 0
