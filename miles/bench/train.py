@@ -64,6 +64,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "master weights in the optimizer; --no-master-weights updates them in place)",
     )
     p.add_argument("--no-master-weights", action="store_true")
+    p.add_argument(
+        "--recompute",
+        default="none",
+        help="torch / megatron: activation recomputation none | selective | full",
+    )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="torch / megatron: masters and moments sharded over the data-parallel ranks (one rank here)",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up update")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -117,6 +127,8 @@ def bench_backend(
         offload_optimizer=a.offload_optimizer,
         offload_param=a.offload_param,
         deepspeed_extra=json.loads(a.deepspeed_extra),
+        recompute=a.recompute if backend != "deepspeed" else "none",
+        distributed_optimizer=a.distributed_optimizer and backend != "deepspeed",
     )
     on_cuda = model.device.type == "cuda"
     try:

@@ -29,6 +29,15 @@ def test_both_backends_report_the_same_first_update(capsys) -> None:
     assert megatron_run["first_grad_norm"] == pytest.approx(torch_run["first_grad_norm"], rel=1e-4)
 
 
+def test_recompute_and_the_distributed_optimizer_leave_the_first_update_unchanged(capsys) -> None:
+    args = ("--arch", "qwen3_moe", "--precision", "fp32", "--device", "cpu")
+    plain = _run(capsys, *args)["results"]
+    both = _run(capsys, *args, "--recompute", "full", "--distributed-optimizer")["results"]
+    for a, b in zip(plain, both):
+        assert b["first_loss"] == pytest.approx(a["first_loss"], rel=1e-6, abs=1e-9)
+        assert b["first_grad_norm"] == pytest.approx(a["first_grad_norm"], rel=1e-6)
+
+
 def test_an_unknown_backend_is_refused() -> None:
     with pytest.raises(SystemExit, match="unknown --backend"):
         bench_train.main(["--model", "tiny", "--arch", "qwen3", "--backend", "fsdp"])
