@@ -14,38 +14,19 @@ import pytest
 import torch
 
 from miles.config import AlgorithmConfig, RolloutConfig, TrainerConfig
-from miles.models import CausalLM, ModelArgs, RoutingTrace, VarlenAttention
+from miles.models import RoutingTrace, VarlenAttention
 from miles.rollout import Engine, SamplingParams
 from miles.trainer import PolicyTrainer
 from miles.trainer.packing import pack
+from tests.support.trainer import tiny_model
 
 pytest.importorskip("megatron.core")
-
-
-def _moe() -> CausalLM:
-    torch.manual_seed(0)
-    args = ModelArgs(
-        model_type="qwen3_moe",
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-    )
-    model = CausalLM(args)
-    model.init_weights(std=0.3)  # large weights: near-tied router scores are common
-    return model
 
 
 def test_megatron_routers_replay_the_engines_experts() -> None:
     from miles.trainer.megatron_policy import MegatronPolicy
 
-    model = _moe()
+    model = tiny_model(std=0.3, vocab_size=40, num_experts=6)  # large weights: near-tied router scores
     engine = Engine(model, None, RolloutConfig(record_routing=True))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3, return_routing=True)
     samples = engine.generate([[1, 2, 3, 4, 5], [7, 8, 9]], params)
