@@ -11,6 +11,10 @@ update's loss and gradient norm (the backends must agree on those).
 `--backend deepspeed` trains under a DeepSpeed ZeRO engine (`--zero-stage`, `--offload-optimizer cpu`,
 `--offload-param cpu`); a backend that runs out of device memory is reported as such (with the memory it
 reached), and the process's peak host memory is reported too (the offloaded optimizer lives there).
+`--nproc N` starts N ranks (one GPU each, or CPU processes over gloo with `--device cpu`; or run it under
+torchrun), each training its share of the samples, the megatron backend split by `--tensor-parallel-size`,
+`--expert-parallel-size` and `--expert-tensor-parallel-size` (miles/bench/train_ranks.py); the figures are
+then the whole run's, peak memory the largest rank's (each rank's in the JSON).
 """
 
 from __future__ import annotations
@@ -21,13 +25,22 @@ import gc
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from miles.bench.train_ranks import (
+    check_sizes,
+    hide_gpus_from_cpu_ranks,
+    largest_over_ranks,
+    launch_ranks,
+    rank_entry,
+)
 from miles.config import AlgorithmConfig, TrainerConfig
+from miles.distributed import SINGLE, DataParallel, init_data_parallel, needs_launch, shutdown
 from miles.model_io import pick_device
-from miles.models import CausalLM
+from miles.models import CausalLM, ModelArgs
 from miles.models.presets import PRESETS, build_random_model, preset_args
 from miles.sample import Sample
 from miles.trainer.backends import BACKENDS, build_policy
@@ -74,6 +87,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="torch / megatron: masters and moments sharded over the data-parallel ranks (one rank here)",
     )
+    p.add_argument("--nproc", type=int, default=1, help="ranks to start (one GPU each; CPU: gloo)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="megatron: ranks splitting a replica")
+    p.add_argument(
+        "--expert-parallel-size", type=int, default=1, help="megatron: ranks splitting the experts"
+    )
+    p.add_argument(
+        "--expert-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="megatron: ranks splitting each expert (default: --tensor-parallel-size)",
+    )
+    p.add_argument("--report-to", default=None, help=argparse.SUPPRESS)  # a launched rank 0's report file
     p.add_argument("--steps", type=int, default=3, help="timed updates after one warm-up update")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -87,12 +112,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(a: argparse.Namespace, device: torch.device) -> CausalLM:
+def model_args(a: argparse.Namespace) -> ModelArgs:
+    """The shape `build_model` builds (a preset cut to `--layers`, or a checkpoint's config.json)."""
     if a.model in PRESETS:
         args = preset_args(a.arch, a.model)
         if a.layers:
             args = replace(args, num_hidden_layers=min(a.layers, args.num_hidden_layers))
-        return build_random_model(args, a.dtype, device, seed=a.seed)
+        return args
+    return ModelArgs.from_json(Path(a.model) / "config.json")
+
+
+def build_model(a: argparse.Namespace, device: torch.device) -> CausalLM:
+    if a.model in PRESETS:
+        return build_random_model(model_args(a), a.dtype, device, seed=a.seed)
     from miles.models import from_pretrained
 
     return from_pretrained(a.model, dtype=a.dtype).to(device)
@@ -114,11 +146,17 @@ def random_samples(a: argparse.Namespace, vocab: int) -> list[Sample]:
 
 
 def bench_backend(
-    backend: str, model: CausalLM, samples: list[Sample], a: argparse.Namespace
+    backend: str,
+    model: CausalLM,
+    samples: list[Sample],
+    a: argparse.Namespace,
+    dp: DataParallel = SINGLE,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
+    """One backend's figures; with several ranks `samples` is this rank's share of `batch_size`."""
     cfg = TrainerConfig(
         backend=backend,
-        global_batch_size=len(samples),
+        global_batch_size=batch_size or len(samples),
         micro_batch_tokens=a.micro_batch_tokens,
         precision=a.precision,
         master_weights=not a.no_master_weights,
@@ -132,8 +170,10 @@ def bench_backend(
     )
     on_cuda = model.device.type == "cuda"
     try:
-        return _bench(backend, cfg, model, samples, a, on_cuda)
+        return _bench(backend, cfg, model, samples, a, on_cuda, dp)
     except torch.cuda.OutOfMemoryError as err:
+        if dp.enabled:
+            raise  # the other ranks wait in a collective: the launcher stops them all
         peak = torch.cuda.max_memory_allocated() if on_cuda else None
         gc.collect()
         if on_cuda:
@@ -152,12 +192,20 @@ def _bench(
     samples: list[Sample],
     a: argparse.Namespace,
     on_cuda: bool,
+    dp: DataParallel = SINGLE,
 ) -> dict[str, Any]:
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
-    policy = build_policy(backend, model, precision=a.precision)
+    policy = build_policy(
+        backend,
+        model,
+        precision=a.precision,
+        tensor_parallel=a.tensor_parallel_size if backend == "megatron" else 1,
+        expert_parallel=a.expert_parallel_size if backend == "megatron" else 1,
+        expert_tensor_parallel=a.expert_tensor_parallel_size if backend == "megatron" else None,
+    )
     trainer = PolicyTrainer(
-        policy, cfg, AlgorithmConfig(), temperature=1.0, total_optimizer_steps=a.steps + 1
+        policy, cfg, AlgorithmConfig(), temperature=1.0, total_optimizer_steps=a.steps + 1, dp=dp
     )
     first = trainer.train_step(copy.deepcopy(samples))  # warm-up (allocations, kernel selection)
     if on_cuda:
@@ -171,9 +219,10 @@ def _bench(
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         mfu.append(metrics.get("train/mfu"))
+    times = dp.all_reduce_floats(times, "max")  # an update lasts as long as its slowest rank's
     seconds = sorted(times)[len(times) // 2]
     kernels = _profile(trainer, samples, a.profile) if a.profile and on_cuda else None
-    tokens = metrics["train/tokens"]
+    tokens = metrics["train/tokens"]  # every rank's (the trainer's metrics are the whole batch's)
     result = {
         "backend": backend,
         "seconds_per_update": seconds,
@@ -186,6 +235,8 @@ def _bench(
     }
     if kernels is not None:
         result["top_kernels"] = kernels
+    if dp.enabled:
+        result.update(largest_over_ranks(dp, result["peak_memory_bytes"], result["peak_host_bytes"]))
     del trainer, policy
     gc.collect()
     if on_cuda:
@@ -224,9 +275,31 @@ def main(argv: list[str]) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise SystemExit(f"unknown --backend {unknown}; use {', '.join(BACKENDS)}")
-    device = pick_device(a.device)
+    hide_gpus_from_cpu_ranks(a)
+    check_sizes(a, model_args(a), backends)
+    if needs_launch(a.nproc):
+        print_report(launch_ranks(argv, a))
+        return 0
+    dp = init_data_parallel(a.nproc, a.device)
+    try:
+        report = run_backends(a, backends, dp)
+    finally:
+        shutdown(dp)
+    if a.report_to:
+        if dp.is_main:
+            Path(a.report_to).write_text(json.dumps(report))
+    elif dp.is_main:
+        print_report(report)
+    return 0
+
+
+def run_backends(a: argparse.Namespace, backends: list[str], dp: DataParallel) -> dict[str, Any]:
+    """Every backend on the same weights and samples (this rank's share of them); rank 0's report."""
+    device = torch.device("cuda", dp.local_rank) if dp.on_cuda else pick_device(a.device)
     model = build_model(a, device)
+    dp.broadcast_module(model)  # one set of starting weights, whatever each rank's generator drew
     samples = random_samples(a, model.args.vocab_size)
+    mine = dp.shard(samples)
     params = sum(p.numel() for p in model.parameters())
     results = []
     for i, backend in enumerate(backends):
@@ -235,7 +308,12 @@ def main(argv: list[str]) -> int:
         last = i == len(backends) - 1
         results.append(
             bench_backend(
-                backend, copy.deepcopy(model) if backend == "torch" and not last else model, samples, a
+                backend,
+                copy.deepcopy(model) if backend == "torch" and not last else model,
+                mine,
+                a,
+                dp,
+                len(samples),
             )
         )
     report = {
@@ -256,14 +334,35 @@ def main(argv: list[str]) -> int:
         "tokens_per_sample": a.prompt_len + a.response_len,
         "results": results,
     }
+    if dp.enabled:
+        report["ranks"] = dp.world_size
+        report["parallel"] = {
+            "tensor": a.tensor_parallel_size,
+            "expert": a.expert_parallel_size,
+            "expert_tensor": a.expert_tensor_parallel_size or a.tensor_parallel_size,
+        }
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The JSON line, then the table (the largest rank's memory with several ranks)."""
     print(json.dumps(report))
+    params, layers = report["parameters"], report["layers"]
+    masters = " + float32 masters" if report["master_weights"] else ""
+    ranks = ""
+    if "ranks" in report:
+        sizes = report["parallel"]
+        ranks = (
+            f"; {report['ranks']} ranks, TP={sizes['tensor']} EP={sizes['expert']} "
+            f"expert-TP={sizes['expert_tensor']}, the largest rank's peak memory"
+        )
     print(
-        f"\n{a.model} ({params / 1e9:.2f} B parameters, {model.args.num_hidden_layers} layers), "
-        f"{a.dtype} weights{' + float32 masters' if report['master_weights'] else ''}, {a.precision}"
+        f"\n{report['model']} ({params / 1e9:.2f} B parameters, {layers} layers), "
+        f"{report['dtype']} weights{masters}, {report['precision']}{ranks}"
     )
     print("| backend | s / update | tokens/s | MFU | peak memory | first loss | first grad norm |")
     print("|---|---|---|---|---|---|---|")
-    for r in results:
+    for r in report["results"]:
         memory = f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" if r["peak_memory_bytes"] else "-"
         if "error" in r:
             print(f"| {r['backend']} | {r['error'][:60]} (reached {memory}) | | | | | |")
@@ -273,10 +372,13 @@ def main(argv: list[str]) -> int:
             f"| {r['backend']} | {r['seconds_per_update']:.3f} | {r['tokens_per_s']:,.0f} | {mfu} | "
             f"{memory} | {r['first_loss']:.6e} | {r['first_grad_norm']:.6e} |"
         )
-    for r in results:
+    for r in report["results"]:
         if "top_kernels" in r:
             print(f"\n{r['backend']}: {r['top_kernels']['device_ms']:.1f} ms of kernels in one update")
             print("| ms | calls | kernel |\n|---|---|---|")
             for k in r["top_kernels"]["kernels"]:
                 print(f"| {k['ms']:.1f} | {k['calls']} | `{k['name']}` |")
-    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(rank_entry(main))

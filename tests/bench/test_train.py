@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from miles.bench import train as bench_train
+from miles.errors import MilesUserError
 
 
 def _run(capsys, *args: str) -> dict:
@@ -36,6 +38,47 @@ def test_recompute_and_the_distributed_optimizer_leave_the_first_update_unchange
     for a, b in zip(plain, both):
         assert b["first_loss"] == pytest.approx(a["first_loss"], rel=1e-6, abs=1e-9)
         assert b["first_grad_norm"] == pytest.approx(a["first_grad_norm"], rel=1e-6)
+
+
+def test_expert_parallel_over_two_ranks_gives_the_one_process_update(capsys) -> None:
+    pytest.importorskip("megatron.core")
+    args = ("--arch", "qwen3_moe", "--precision", "fp32", "--device", "cpu", "--backend", "megatron")
+    one = _run(capsys, *args)
+    two = _run(capsys, *args, "--expert-parallel-size", "2", "--nproc", "2")  # 2 launched ranks, gloo
+    assert "ranks" not in one and "peak_memory_bytes_per_rank" not in one["results"][0]  # today's keys
+    assert two["ranks"] == 2 and two["parallel"] == {"tensor": 1, "expert": 2, "expert_tensor": 1}
+    single, split = one["results"][0], two["results"][0]
+    assert split["first_loss"] == pytest.approx(single["first_loss"], rel=1e-4, abs=1e-9)
+    assert split["first_grad_norm"] == pytest.approx(single["first_grad_norm"], rel=1e-4)
+    assert split["tokens_per_s"] > 0 and split["mfu"] is None
+    assert split["peak_memory_bytes_per_rank"] == [None, None]  # CPU: no device memory
+    assert split["peak_host_bytes"] == max(split["peak_host_bytes_per_rank"]) > 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            ["--expert-parallel-size", "2"],
+            "--expert-parallel-size and --expert-tensor-parallel-size need --backend megatron",
+        ),
+        (["--backend", "megatron", "--expert-parallel-size", "2"], "must divide --nproc=1"),
+        (
+            ["--backend", "megatron", "--expert-parallel-size", "3", "--nproc", "3"],
+            "--expert-parallel-size=3 must divide the model's 4 experts",
+        ),
+        (
+            ["--backend", "megatron", "--tensor-parallel-size", "3", "--expert-tensor-parallel-size", "1"]
+            + ["--nproc", "3"],
+            "--tensor-parallel-size=3 must divide the model's {'num_attention_heads': 4",
+        ),
+        (["--backend", "megatron", "--nproc", "0"], "--nproc must be at least 1"),
+    ],
+)
+def test_sizes_the_trainer_refuses_are_refused_naming_the_flag(sizes: list[str], message: str) -> None:
+    argv = ["--model", "tiny", "--arch", "qwen3_moe", "--device", "cpu", *sizes]
+    with pytest.raises(MilesUserError, match=re.escape(message)):
+        bench_train.main(argv)
 
 
 def test_an_unknown_backend_is_refused() -> None:
