@@ -184,8 +184,9 @@ class Engine:
             error = self.validate_prompt(ids)
             group_id = source.group_id if source is not None else position
             text = prompt if isinstance(prompt, str) else None
+            key = prompt_key(ids) if params.seed is not None else None  # once for the prompt's n samples
             for index in range(params.n):
-                rids.append(self._enqueue(ids, error, params, group_id, index, source, text))
+                rids.append(self._enqueue(ids, error, params, group_id, index, source, text, key))
         return rids
 
     def _run_until_finished(self, rids: list[int], between_steps: Callable[[], None] | None = None) -> None:
@@ -234,15 +235,17 @@ class Engine:
         index: int,
         source: Sample | None,
         prompt_text: str | None,
+        key: int | None = None,
     ) -> int:
         """Add a request for `prompt` (its own list of ints, or one its group's samples share: no request
-        modifies its prompt), finished at once with `error` (`validate_prompt`'s) if there is one."""
+        modifies its prompt), finished at once with `error` (`validate_prompt`'s) if there is one. `key`:
+        `prompt_key(prompt)` where the caller has it already."""
         rid = self._next_rid
         self._next_rid += 1
         if params.seed is not None:
             # The prompt's content too: with one seed for a whole batch (the RL loop's), different prompts
             # must not share random numbers, and the same prompt must draw the same wherever it sits.
-            seed = derive_seed(params.seed, prompt_key(prompt), index)
+            seed = derive_seed(params.seed, prompt_key(prompt) if key is None else key, index)
         else:
             seed = derive_seed(self.cfg.seed, self._seed_counter)
             self._seed_counter += 1

@@ -496,7 +496,9 @@ class PolicyTrainer:
             fused.disable_chains(f"{type(err).__name__}: {err}")
             self.fused_kernels = False
             sums = self._accumulate_gradients(*step)
-        metrics = self._sum_over_ranks({name: value.item() for name, value in sums.items()})
+        # One host sync for all the sums (an .item() each would wait once per metric).
+        values = torch.stack(list(sums.values())).tolist() if sums else []
+        metrics = self._sum_over_ranks(dict(zip(sums, values)))
         metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
         return metrics
 

@@ -177,7 +177,12 @@ class KVManager:
         if self.tree is not None:
             aligned = req.kv_len - req.kv_len % self.page_size
             if aligned > req.prefix_len:
-                self._insert(req, aligned)
+                # As `_insert`, less what only a request that goes on needs: its row pointed at the tree's
+                # slots and its lock moved to the new path (given back at once below).
+                own = row[:aligned].clone()
+                already = self.tree.insert_and_touch(req.tokens(0, aligned), own)
+                if already > req.prefix_len:
+                    self.pool.free_slots(own[req.prefix_len : already])
             if req.kv_len > aligned:
                 self.pool.free_slots(row[aligned : req.kv_len])
             if req.node is not None:

@@ -114,6 +114,10 @@ class RadixCache:
 
         The caller owns `value[:returned]` as duplicates of cached slots and must free them.
         """
+        return self._insert(key, value)[0]
+
+    def _insert(self, key: list[int], value: torch.Tensor) -> tuple[int, TreeNode]:
+        """`insert`, also returning the deepest node of `key`'s path."""
         key = key[: self._aligned(len(key))]
         now = next(self._clock)
         node, pos, _ = self._walk(key, now)
@@ -121,6 +125,18 @@ class RadixCache:
             leaf = TreeNode(key=list(key[pos:]), value=value[pos : len(key)], parent=node, last_access=now)
             node.children[self._child_key(leaf.key)] = leaf
             self.evictable_size += len(leaf.key)
+            node = leaf
+        return pos, node
+
+    def insert_and_touch(self, key: list[int], value: torch.Tensor) -> int:
+        """`insert`, then the key's path touched once more, as a `match_prefix(key)` right after it would:
+        the same tree and LRU order without that second walk and its slot concatenation (a finished request
+        gives its tokens back and needs none of the tree's slots)."""
+        pos, node = self._insert(key, value)
+        now = next(self._clock)
+        while node is not self.root:
+            node.last_access = now
+            node = node.parent  # type: ignore[assignment]
         return pos
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:

@@ -113,3 +113,38 @@ def test_reset_frees_everything() -> None:
     tree.reset()
     assert tree.total_size == 0 and sorted(log.freed) == [0, 1, 2, 4]
     assert tree.match_prefix([5, 6]).length == 0
+
+
+def _shape(tree: RadixCache) -> list[tuple[list[int], list[int], int, int]]:
+    """Every node's key, slots, lock count and last access, in a fixed order."""
+    out, stack = [], [tree.root]
+    while stack:
+        node = stack.pop()
+        out.append((node.key, node.value.tolist(), node.lock_ref, node.last_access))
+        stack.extend(node.children[k] for k in sorted(node.children, key=str))
+    return out
+
+
+def test_insert_and_touch_equals_insert_then_match() -> None:
+    # What a finished request gives back: its tokens inserted, the path touched as a match right after would
+    # (same nodes, locks, LRU order and clock), for page sizes 1 and 2, new leaves, splits and full duplicates.
+    for page_size in (1, 2):
+        keys = [
+            [1, 2, 3, 4, 5, 6],
+            [1, 2, 3, 7, 8, 9],
+            [1, 2, 3, 7, 8, 9],
+            [1, 2],
+            [5, 5, 5, 5],
+            [1, 2, 3, 4, 9],
+        ]
+        trees = [make(page_size), make(page_size)]
+        for i, key in enumerate(keys):
+            value = slots(100 * i, len(key))
+            a, b = trees[0][0], trees[1][0]
+            expected = a.insert(key, value)
+            a.match_prefix(key)
+            assert b.insert_and_touch(key, value) == expected
+            assert _shape(a) == _shape(b)
+            assert (a.evictable_size, a.protected_size) == (b.evictable_size, b.protected_size)
+        assert trees[0][0].evict(100) == trees[1][0].evict(100)
+        assert trees[0][1].freed == trees[1][1].freed

@@ -175,6 +175,18 @@ def test_loss_aggregation_modes(mode: str, expected: float) -> None:
     assert (part_a + part_b).item() == pytest.approx(expected)
 
 
+def test_normalizer_counts_match_per_mask_sums() -> None:
+    # One sync for the batch: the counts equal the per-mask definition, empty and all-zero masks included.
+    g = torch.Generator().manual_seed(0)
+    masks = [(torch.rand(int(n), generator=g) < 0.6).float() for n in torch.randint(0, 9, (40,), generator=g)]
+    masks += [torch.zeros(0), torch.zeros(3)]
+    sums = [int(m.sum().item()) for m in masks]
+    normalizer = LossNormalizer.from_masks("token_mean", masks)
+    assert (normalizer.num_tokens, normalizer.num_seqs) == (sum(sums), sum(1 for s in sums if s > 0))
+    empty = LossNormalizer.from_masks("token_mean", [])
+    assert (empty.num_tokens, empty.num_seqs) == (0, 0)
+
+
 def test_unknown_aggregation_is_rejected() -> None:
     with pytest.raises(ValueError, match="token_mean"):
         LossNormalizer("mean", 1, 1)
