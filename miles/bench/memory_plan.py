@@ -12,20 +12,26 @@ its share of `--samples` sequences. Reported per variant, as the largest over th
   - `optimizer_state_gb`: this rank's float32 masters + AdamW moments (on the host while offloaded);
   - `s_per_update`, `offload_s` (moving the state out and back per update), the first update's loss and
     gradient norm (every variant must agree on them: they train the same update).
+`--json-out PATH` writes the JSON report there too, with each variant's tensor bytes by part (weights,
+gradients, optimizer state, the engine's copy; miles/bench/memory_parts.py), the largest micro-batch's tokens
+and the model's shape: what `python -m miles.bench.memory_table` extrapolates from two depths.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from miles.bench.train import build_model, random_samples
+from miles.bench.memory_parts import GradientProbe, largest_micro_batch_tokens, state_parts
+from miles.bench.train import build_model, model_args, random_samples
 from miles.config import AlgorithmConfig, TrainerConfig
 from miles.distributed import DataParallel, init_data_parallel, shutdown
 from miles.model_io import pick_device
@@ -57,6 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed updates after one warm-up update")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON report to PATH")
     return p.parse_args(argv)
 
 
@@ -89,6 +96,7 @@ def run_variant(
     trainer = PolicyTrainer(policy, cfg, AlgorithmConfig(), temperature=1.0, dp=dp)
     offload = OptimizerOffload(trainer, cfg.offload_optimizer_during_rollout)
     offload.to_host()
+    probe = GradientProbe(trainer)
     mine = dp.shard(samples)
     times, offload_times, peaks, first = [], [], [], None
     for step in range(1 + a.steps):
@@ -108,12 +116,15 @@ def run_variant(
             times.append(time.perf_counter() - began)
             offload_times.append(moved)
     resident = torch.cuda.memory_allocated(device) / GB if on_cuda else 0.0
+    parts = state_parts(trainer, model, probe, offload.state_bytes())
     mine_result = [
         max(peaks) if peaks else 0.0,
         resident,
         offload.state_bytes() / GB,
         sorted(times)[len(times) // 2],
         sorted(offload_times)[len(offload_times) // 2],
+        *parts.values(),
+        largest_micro_batch_tokens(mine, cfg.micro_batch_tokens),
     ]
     worst = dp.all_reduce_floats(mine_result, "max")
     assert first is not None
@@ -122,9 +133,15 @@ def run_variant(
     if on_cuda:
         torch.cuda.empty_cache()
     keys = ("peak_update_gb", "resident_gb", "optimizer_state_gb", "s_per_update", "offload_s")
+    keys += (*parts, "micro_batch_tokens")
+    figures = dict(zip(keys, worst))
+    for key in (*parts, "micro_batch_tokens"):
+        figures[key] = int(figures[key])
     return {
         "variant": variant,
-        **dict(zip(keys, worst)),
+        "recompute": cfg.recompute,
+        "distributed_optimizer": cfg.distributed_optimizer,
+        **figures,
         "first_loss": first["train/loss"],
         "first_grad_norm": first["train/grad_norm"],
     }
@@ -144,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = {"model": a.model, "layers": a.layers, "ranks": dp.world_size, "backend": a.backend}
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report["dtype"], report["precision"] = a.dtype, a.precision
+    report["model_args"] = dataclasses.asdict(model_args(a))
+    report["full_layers"] = model_args(argparse.Namespace(**{**vars(a), "layers": 0})).num_hidden_layers
     print(json.dumps({**report, "results": results}))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({**report, "results": results}, indent=1))
     print(f"\n{a.model}, {dp.world_size} rank(s), {a.backend}; the largest rank's figures")
     print(
         "| variant | peak update GB | resident GB | optimizer state GB | s / update | offload s | loss | grad norm |"
