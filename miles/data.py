@@ -244,12 +244,17 @@ def _reasoning_gym_rows(task: str, cfg: DataConfig) -> tuple[list[PromptRow], li
         raise MilesUserError("data.source=reasoning_gym:<task> needs `pip install 'miles[reasoning]'`") from e
     try:
         # reasoning-gym refuses size 0: `miles eval` asks for the held-out split alone
+        settings = dict(cfg.task_config)
         train = (
-            reasoning_gym.create_dataset(task, size=cfg.train_size, seed=cfg.seed) if cfg.train_size else []
+            reasoning_gym.create_dataset(task, size=cfg.train_size, seed=cfg.seed, **settings)
+            if cfg.train_size
+            else []
         )
-        test = reasoning_gym.create_dataset(task, size=cfg.test_size, seed=cfg.seed + 10_000)
-    except Exception as e:  # reasoning-gym raises plain errors for unknown task names
-        raise MilesUserError(f"reasoning-gym cannot create task {task!r}: {e}") from e
+        test = reasoning_gym.create_dataset(task, size=cfg.test_size, seed=cfg.seed + 10_000, **settings)
+    except Exception as e:  # reasoning-gym raises plain errors for unknown task names and settings
+        raise MilesUserError(
+            f"reasoning-gym cannot create task {task!r} with data.task_config={dict(cfg.task_config)}: {e!r}"
+        ) from e
 
     def rows(ds: Any) -> list[PromptRow]:
         return [

@@ -8,17 +8,25 @@ from typing import Any
 from miles.sample import Sample
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def extract_final(text: str) -> str:
-    """The text inside the last <answer>...</answer>, else after the last `####`, else the last line."""
+def extract_final(text: str, numeric: bool = False) -> str:
+    """The text inside the last <answer>...</answer>, else after the last `####`, else the last line; for a
+    numeric answer, the last number of that last line ("So 4 + 3 - 2 = 5." gives "5", as GSM8K graders do)."""
     tags = _ANSWER_TAG.findall(text)
     if tags:
         return tags[-1].strip()
     if "####" in text:
         return text.rsplit("####", 1)[1].strip()
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+    last = lines[-1].strip() if lines else ""
+    numbers = _NUMBER.findall(last) if numeric else []
+    return numbers[-1] if numbers else last
+
+
+def _is_number(answer: str) -> bool:
+    return _NUMBER.fullmatch(answer.strip()) is not None
 
 
 def reasoning_gym_reward(sample: Sample, **_: Any) -> dict[str, Any]:
@@ -33,6 +41,6 @@ def reasoning_gym_reward(sample: Sample, **_: Any) -> dict[str, Any]:
         "answer": sample.label,
         "metadata": sample.metadata.get("rg_metadata", {}),
     }
-    answer = extract_final(sample.response_text)
+    answer = extract_final(sample.response_text, numeric=_is_number(str(sample.label)))
     score = reasoning_gym.get_score_answer_fn(task)(answer, entry)
     return {"score": float(score), "extracted": answer}

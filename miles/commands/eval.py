@@ -23,6 +23,11 @@ def main(argv: list[str]) -> int:
         help="a data source instead of --data: synthetic_math or reasoning_gym:<task> (its held-out split, "
         "judged by its own verifier unless --reward is given)",
     )
+    parser.add_argument(
+        "--task-config",
+        default="{}",
+        help="with --source reasoning_gym:<task>: its generator settings as JSON, e.g. '{\"min_terms\": 3}'",
+    )
     parser.add_argument("--num", type=int, default=200, help="number of held-out problems")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument(
@@ -43,7 +48,15 @@ def main(argv: list[str]) -> int:
     from miles.rewards import RewardRunner
     from miles.rollout import Engine
 
-    data_cfg = DataConfig(test_size=args.num, train_size=0, system_prompt=args.system_prompt)
+    try:
+        task_config = json.loads(args.task_config)
+    except json.JSONDecodeError as e:
+        parser.error(f"--task-config is not JSON ({e}); write it as '{{\"min_terms\": 3}}'")
+    if not isinstance(task_config, dict):
+        parser.error("--task-config must be a JSON object, e.g. '{\"min_terms\": 3}'")
+    data_cfg = DataConfig(
+        test_size=args.num, train_size=0, system_prompt=args.system_prompt, task_config=task_config
+    )
     if args.source:
         data_cfg.source = args.source
     if args.data:

@@ -28,6 +28,9 @@ class ModelConfig:
 class DataConfig:
     source: str = "synthetic_math"
     """synthetic_math | file (jsonl/parquet/saved dataset at `path`) | reasoning_gym:<task>."""
+    task_config: dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym:<task> only: the task's own generator settings, e.g. {min_terms: 3, max_digits: 2} for
+    chain_sum (reasoning-gym's `<Task>Config` fields)."""
     path: str | None = None
     """Local jsonl / parquet file or saved `datasets` folder (source=file; setting it implies file)."""
     eval_path: str | None = None

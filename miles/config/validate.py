@@ -150,6 +150,11 @@ def check_ranges(config: MilesConfig) -> None:
         )
     if not 0 < rollout.kv_cache_fraction <= 1:
         raise MilesUserError(f"rollout.kv_cache_fraction must be in (0, 1], got {rollout.kv_cache_fraction}")
+    if config.data.task_config and not config.data.source.startswith("reasoning_gym:"):
+        raise MilesUserError(
+            f"data.task_config sets a reasoning-gym task's generator; data.source={config.data.source!r} takes "
+            "none (use data.source=reasoning_gym:<task>, or drop data.task_config)"
+        )
 
 
 TRANSPORTS = ("auto", "inprocess", "cuda_ipc", "shm", "broadcast")

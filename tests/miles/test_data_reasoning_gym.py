@@ -27,3 +27,43 @@ def test_reasoning_gym_rows_and_reward() -> None:
     bad = Sample(prompt=row.prompt, label=row.label, metadata=row.metadata, response_text="#### 123456789")
     assert reasoning_gym_reward(good)["score"] == 1.0
     assert reasoning_gym_reward(bad)["score"] < 1.0
+
+
+def test_task_config_sets_the_generator_and_bad_settings_are_named() -> None:
+    from miles.config import MilesConfig
+    from miles.config.validate import validate
+    from miles.errors import MilesUserError
+
+    cfg = DataConfig(
+        source="reasoning_gym:chain_sum",
+        train_size=20,
+        test_size=5,
+        task_config={"min_terms": 4, "max_terms": 4, "min_digits": 1, "max_digits": 1},
+    )
+    train, test = load_rows(cfg)
+    for row in train + test:  # "State the final answer ...: 4 - 1 + 7 + 2 =": four one-digit terms
+        expression = row.prompt.rsplit(":", 1)[1].strip(" =")
+        terms = expression.replace("-", "+").split("+")
+        assert len(terms) == 4 and all(len(t.strip()) == 1 for t in terms), row.prompt
+    cfg.task_config = {"min_term": 4}
+    with pytest.raises(MilesUserError, match="task_config"):
+        load_rows(cfg)
+    config = MilesConfig()
+    config.data.task_config = {"min_terms": 4}
+    with pytest.raises(MilesUserError, match="data.task_config"):
+        validate(config)
+
+
+def test_a_numeric_answer_is_read_from_the_last_line_when_untagged() -> None:
+    from miles.rewards.reasoning_gym_reward import reasoning_gym_reward
+
+    row = load_rows(DataConfig(source="reasoning_gym:chain_sum", train_size=1, test_size=1))[0][0]
+
+    def score(text: str) -> float:
+        sample = Sample(prompt=row.prompt, label=row.label, metadata=row.metadata, response_text=text)
+        return reasoning_gym_reward(sample)["score"]
+
+    assert score(f"First I add.\nSo the sum is {row.label}.") == 1.0
+    assert score(f"The sum is {int(row.label) + 1}.") < 1.0
+    assert score(f"{row.label} is wrong\n#### {int(row.label) + 1}") < 1.0  # `####` wins over the last line
+    assert score("I cannot say.") < 1.0
