@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles.bench.train_ranks import (
+    as_flags,
     check_sizes,
     hide_gpus_from_cpu_ranks,
     largest_over_ranks,
@@ -39,6 +40,7 @@ from miles.bench.train_ranks import (
 )
 from miles.config import AlgorithmConfig, TrainerConfig
 from miles.distributed import SINGLE, DataParallel, init_data_parallel, needs_launch, shutdown
+from miles.errors import MilesUserError
 from miles.model_io import pick_device
 from miles.models import CausalLM, ModelArgs
 from miles.models.presets import PRESETS, build_random_model, preset_args
@@ -280,7 +282,10 @@ def main(argv: list[str]) -> int:
     if needs_launch(a.nproc):
         print_report(launch_ranks(argv, a))
         return 0
-    dp = init_data_parallel(a.nproc, a.device)
+    try:
+        dp = init_data_parallel(a.nproc, a.device)  # torchrun's world, or the one `launch_ranks` started
+    except MilesUserError as err:
+        raise MilesUserError(as_flags(str(err))) from None
     try:
         report = run_backends(a, backends, dp)
     finally:
