@@ -80,10 +80,20 @@ def launch_ranks(argv: list[str], a: argparse.Namespace) -> dict[str, Any]:
         check_devices(a.nproc, a.device)
     except MilesUserError as err:
         raise MilesUserError(as_flags(str(err))) from None
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     with tempfile.TemporaryDirectory(prefix="miles-bench-train-") as folder:
         report = Path(folder) / "report.json"
         command = [sys.executable, "-m", "miles.bench.train", *argv, "--report-to", str(report)]
-        code = launch(Path(folder), a.nproc, command=command)
+        if a.device == "cpu":  # the ranks start without GPUs (see hide_gpus_from_cpu_ranks)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            code = launch(Path(folder), a.nproc, command=command)
+        finally:
+            if a.device == "cpu":
+                if hidden is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = hidden
         if code != 0:
             raise SystemExit(f"miles bench train: a rank exited with code {code} (its error is above)")
         return json.loads(report.read_text())
