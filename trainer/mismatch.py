@@ -4,6 +4,9 @@ per sample cost a small model's update ~1,000 of them)."""
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from miles.distributed import SINGLE, DataParallel
@@ -13,8 +16,9 @@ from miles.trainer.kl import kl_estimate
 def rows_on_device(rows: list[list[float]], device: torch.device) -> list[torch.Tensor]:
     """Per-sample float32 rows on `device` through one host-to-device copy (a copy per row costs a small
     model's update hundreds of transfers)."""
-    flat = torch.tensor([x for row in rows for x in row], dtype=torch.float32)
-    return list(torch.split(flat.to(device), [len(row) for row in rows]))
+    sizes = [len(row) for row in rows]
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.float32, sum(sizes))
+    return list(torch.split(torch.from_numpy(flat).to(device), sizes))
 
 
 def mismatch_metrics(
