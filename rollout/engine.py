@@ -37,6 +37,7 @@ from miles.rollout.spec.decoder import HeadState
 from miles.rollout.stats import EngineStats
 from miles.rollout.step_state import LaunchedStep, StepLoop, StepRun
 from miles.rollout.weights import WeightsInput, load_weights
+from miles.rollout.weights_region import WeightsRegion
 from miles.sample import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Engine:
         self.args = model.args
         self.device, self.dtype = model.device, model.dtype
         model.eval()
+        # Before the KV pool takes its share of the free memory, and before any graph captures the weights.
+        self.weights_region = WeightsRegion(model) if cfg.release_weights_during_train else None
         parts = build_engine_parts(model, tokenizer, cfg, reserve_bytes, draft_model, draft_head)
         self.backend, self.pool, self.kv, self.runner = parts.backend, parts.pool, parts.kv, parts.runner
         self.scheduler, self.sampler, self.spec = parts.scheduler, parts.sampler, parts.spec
@@ -90,6 +93,7 @@ class Engine:
         """Request ids in the order they finished, while a `generate(on_finish=...)` call collects them."""
         self._prompt_texts: dict[int, str] = {}
         self._released = False
+        self._outside_peak = self.bytes_outside_allocator
         self._weights_broken: str | None = None
         """Why the last `update_weights` failed part-way: the model holds some new tensors and some old."""
         self._alternative_requests = 0
@@ -390,7 +394,7 @@ class Engine:
         """
         self._drain()
         if self.scheduler.has_work:
-            if self.cfg.update_policy == "finish" and not self._released:
+            if self.cfg.update_policy == "finish" and not self._released and self._weights_usable:
                 while self.scheduler.has_work:
                     self.step()
             else:
@@ -399,13 +403,17 @@ class Engine:
                     self.stats.output_tokens -= len(req.output_ids)  # regenerated on the new weights
                     req.restart()
         self.flush_cache()
+        if self.weights_region is not None:
+            self.weights_region.check_writable()
         try:
-            load_weights(self.model, weights)
+            written = load_weights(self.model, weights)
         except BaseException as err:
             # The tensors before the bad one are in already: nothing may be generated from these weights.
             self._weights_broken = f"{type(err).__name__}: {err}"
             raise
         self._weights_broken = None
+        if self.weights_region is not None:
+            self.weights_region.mark_written(name for name, _ in written)
         if self.spec is not None:
             self.spec.new_weights()
         self._weight_version = self._weight_version + 1 if version is None else int(version)
@@ -462,6 +470,41 @@ class Engine:
         if self.spec is not None:
             self.spec.resume()
         self._released = False
+        self._outside_peak = max(self._outside_peak, self.bytes_outside_allocator)
+
+    def release_weights(self) -> None:
+        """Give the model's weights' memory back (`rollout.release_weights_during_train`: the engine's own
+        copy, which the weight sync rewrites after each update); running requests are retracted."""
+        if self.weights_region is None:
+            raise RuntimeError(
+                "release_weights needs an engine built with rollout.release_weights_during_train"
+            )
+        self._drain()
+        self.scheduler.retract_all()
+        self.flush_cache()
+        self.weights_region.release()
+
+    def resume_weights(self) -> None:
+        """Memory behind the weights again, at their addresses (the CUDA graphs stay); the engine runs once
+        `update_weights` wrote every parameter."""
+        if self.weights_region is not None:
+            self.weights_region.restore()
+            self._outside_peak = max(self._outside_peak, self.bytes_outside_allocator)
+
+    @property
+    def _weights_usable(self) -> bool:
+        return self.weights_region is None or self.weights_region.problem() is None
+
+    @property
+    def bytes_outside_allocator(self) -> int:
+        """Device memory the engine holds outside torch's allocator: its reserved regions, where mapped."""
+        weights = self.weights_region.mapped_bytes if self.weights_region is not None else 0
+        return self.pool.bytes_outside_allocator + weights
+
+    def outside_allocator_peak(self) -> int:
+        """The most `bytes_outside_allocator` since the last call (the loop's per-phase memory peaks)."""
+        peak, self._outside_peak = self._outside_peak, self.bytes_outside_allocator
+        return max(peak, self._outside_peak)
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """rollout/* metrics over the window since the last reset."""
@@ -475,6 +518,8 @@ class Engine:
     def _check_usable(self) -> None:
         if self._released:
             raise RuntimeError("the engine's KV memory is released; call engine.resume_memory() first")
+        if self.weights_region is not None and (problem := self.weights_region.problem()) is not None:
+            raise RuntimeError(problem)
         if self._weights_broken is not None:
             raise RuntimeError(
                 f"the last update_weights failed part-way ({self._weights_broken}), leaving the model with some "

@@ -14,9 +14,10 @@ WeightsInput = (
 )
 
 
-def load_weights(model: CausalLM, weights: WeightsInput) -> None:
-    """Copy every given tensor into its place in the model (shapes must match); any subset may be given."""
-    copy_named_tensors(model, named_tensors(weights), "update_weights")
+def load_weights(model: CausalLM, weights: WeightsInput) -> set[tuple[str, str]]:
+    """Copy every given tensor into its place in the model (shapes must match); any subset may be given.
+    Returns the places written, as (parameter name, index) pairs."""
+    return copy_named_tensors(model, named_tensors(weights), "update_weights")
 
 
 def named_tensors(weights: WeightsInput) -> Iterator[tuple[str, torch.Tensor]]:

@@ -127,11 +127,12 @@ class PeakMemory:
         self.enabled = device.type == "cuda"
         self.device, self.rank, self.ranks = device, rank, ranks
 
-    def read(self, phase: str) -> dict[str, float]:
-        """The phase's peak, and the counter restarted for the next phase."""
+    def read(self, phase: str, outside_bytes: int = 0) -> dict[str, float]:
+        """The phase's peak, and the counter restarted for the next phase. `outside_bytes`: the most device
+        memory held outside torch's allocator in the phase (a colocated engine's reserved regions)."""
         if not self.enabled:
             return {}
-        peak = torch.cuda.max_memory_allocated(self.device) / GB
+        peak = (torch.cuda.max_memory_allocated(self.device) + outside_bytes) / GB
         torch.cuda.reset_peak_memory_stats(self.device)
         metrics = {f"memory/peak_{phase}_gb": peak}
         if self.ranks > 1:

@@ -4,7 +4,8 @@
         --json-out m4.json
     python -m miles.bench.memory_plan --model qwen3-30b-a3b --layers 8 --variants distributed+selective \\
         --json-out m8.json
-    python -m miles.bench.memory_table m4.json m8.json --gpus 8 --expert-parallel-size 8 --offload
+    python -m miles.bench.memory_table m4.json m8.json --gpus 8 --expert-parallel-size 8 --offload \\
+        --release-engine-weights
 
 Two measurements of the same model, variant and micro-batch at two depths give, from their difference, one
 decoder layer's weight, gradient and optimizer-state bytes (per parameter: the layer's bytes over its
@@ -17,8 +18,9 @@ count. Projected onto `--gpus` N with TP, EP and expert-TP (megatron's layout; D
   - activations: one micro-batch of `--micro-batch-tokens` (the measured one by default), not divided
     under TP (each TP rank holds every token's residual stream: no sequence parallelism);
   - the colocated engine's whole weights in the weights' dtype (it receives the gathered weights);
-  - the peak of an update (the engine's weights beside it; its KV pool released for the update), what stays
-    during rollout (the optimizer state leaves with `--offload`), and what is left for the KV cache of
+  - the peak of an update (its KV pool released for the update; the engine's weights beside it, or released
+    too with `--release-engine-weights`, i.e. rollout.release_weights_during_train), what stays during
+    rollout (the optimizer state leaves with `--offload`), and what is left for the KV cache of
     `--capacity-gb` less `--reserve-gb`, in tokens of the model's KV layout.
 Not counted: the CUDA context, NCCL buffers, the all-to-all's token buffers and allocator fragmentation
 (`--reserve-gb` holds them back), and the padding of optimizer slices (under one element per rank).
@@ -86,6 +88,8 @@ class Layout:
     expert_tensor: int = 1
     distributed_optimizer: bool = True
     offload: bool = False
+    release_engine_weights: bool = False
+    """The engine's weights leave the device during the update (rollout.release_weights_during_train)."""
 
 
 def read_measurement(path: str | Path, variant: str | None) -> tuple[dict[str, Any], Measured]:
@@ -198,7 +202,8 @@ def project(
     out["activations"] = activations
     trainer_state = out["weights"] + out["grads"] + out["optimizer_state"]
     out["peak_update"] = None if activations is None else trainer_state + activations
-    out["update_with_engine"] = None if activations is None else out["peak_update"] + out["engine_weights"]
+    engine_in_update = 0.0 if layout.release_engine_weights else out["engine_weights"]
+    out["update_with_engine"] = None if activations is None else out["peak_update"] + engine_in_update
     out["resident_rollout"] = (
         out["engine_weights"] + out["weights"] + (0.0 if layout.offload else out["optimizer_state"])
     )
@@ -228,6 +233,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--replicated-optimizer", action="store_true", help="every replica holds the whole state")
     p.add_argument("--offload", action="store_true", help="optimizer state on the host during rollout")
+    p.add_argument(
+        "--release-engine-weights",
+        action="store_true",
+        help="the engine's weights freed during the update (rollout.release_weights_during_train)",
+    )
     p.add_argument("--micro-batch-tokens", type=int, default=0, help="0: the measured micro-batch")
     p.add_argument("--capacity-gb", type=float, default=141.0, help="device memory (H200: 141)")
     p.add_argument(
@@ -249,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         expert_tensor=a.expert_tensor_parallel_size or a.tensor_parallel_size,
         distributed_optimizer=not a.replicated_optimizer,
         offload=a.offload,
+        release_engine_weights=a.release_engine_weights,
     )
     check_layout(args, layout)
     tokens = a.micro_batch_tokens or per.micro_batch_tokens
@@ -282,7 +293,9 @@ def print_table(out: dict[str, Any]) -> None:
         f"\n{out['model']}, {out['layers']} layers on {lay['gpus']} GPUs: TP={lay['tensor']} EP={lay['expert']} "
         f"expert-TP={lay['expert_tensor']}, "
         f"{'distributed' if lay['distributed_optimizer'] else 'replicated'} optimizer"
-        f"{', offloaded during rollout' if lay['offload'] else ''}; variant {out['variant']} measured at "
+        f"{', offloaded during rollout' if lay['offload'] else ''}"
+        f"{', engine weights released during the update' if lay['release_engine_weights'] else ''}; "
+        f"variant {out['variant']} measured at "
         f"{out['measured_layers']} layers on {out['measured_on']}"
     )
     act = per["activation_per_token_layer"]
@@ -298,7 +311,12 @@ def print_table(out: dict[str, Any]) -> None:
         (f"activations, one micro-batch of {out['micro_batch_tokens']} tokens", g["activations"]),
         ("peak of an update (trainer)", g["peak_update"]),
         ("engine's whole weights", g["engine_weights"]),
-        ("update + engine weights (KV pool released)", g["update_with_engine"]),
+        (
+            "update, engine weights released too (KV pool released)"
+            if lay["release_engine_weights"]
+            else "update + engine weights (KV pool released)",
+            g["update_with_engine"],
+        ),
         ("resident during rollout (trainer + engine)", g["resident_rollout"]),
         (
             f"left for the KV cache of {out['capacity_gb']:g} GB (less {out['reserve_gb']:g} reserved)",

@@ -95,6 +95,11 @@ class RolloutConfig:
     release_kv_during_train: bool = False
     """GPU: free the KV pool while the trainer updates, so the update's activations can use that memory
     (allocated again, empty, for the next rollout)."""
+    release_weights_during_train: bool = False
+    """GPU, embedded placement, an engine with weights of its own (trainer.backend=megatron or deepspeed):
+    free the engine's copy of the weights while the trainer updates, and map it again, at the same addresses
+    (the decode CUDA graphs stay), for the weight sync to rewrite after the update. Outside torch's allocator
+    (CUDA virtual memory), like a kept-address KV pool."""
     kv_virtual_memory: str = "auto"
     """GPU: the KV pool in a reserved range of CUDA virtual addresses, so that releasing it and allocating it
     again leaves it at the same addresses and the decode CUDA graphs survive (otherwise they are captured

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from miles.config.schema import MilesConfig
+from miles.config.weights_release import check_weights_release
 from miles.distributed import world_from_env
 from miles.errors import MilesUserError
 from miles.models.checkpoint import DTYPES
@@ -64,6 +65,7 @@ def check_placement(config: MilesConfig) -> None:
         check_deepspeed_settings(config.trainer)
     check_recompute(config.trainer.recompute)
     check_memory_plan(config)
+    check_weights_release(config)
     if config.placement.mode not in ("embedded", "ray"):
         raise MilesUserError(
             f"placement.mode={config.placement.mode}: use embedded (one process, or placement.num_processes=N "

@@ -119,6 +119,7 @@ def build_parts(cfg: MilesConfig, run_dir: Path, dp: DataParallel) -> RLParts:
         rewards = build_rewards(cfg)
     else:
         engine = build_engine(cfg, model, inputs.tokenizer, reserve, **drafts)
+        trainer_side.outside_peak = engine.outside_allocator_peak  # its regions count in the memory peaks
         # After it, `model` holds the trainer's weights; the fingerprints are compared across replicas only.
         sync = InProcessWeightSync(trainer.model, engine, replica_fingerprints=dp.enabled)
         rewards = build_rewards(cfg, engine)  # a judge reward may drive the policy's engine

@@ -42,6 +42,7 @@ class RolloutSide:
         # Worker-pool graders start on each sample as it finishes, while the others still generate.
         self.score_early = cfg.reward.score_during_rollout and self.multiturn is None
         self.release_kv = cfg.rollout.release_kv_during_train and engine.device.type == "cuda"
+        self.release_weights = cfg.rollout.release_weights_during_train  # checked at start: CUDA only
         self.eval_tokens = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
 
     def generate_scored(
@@ -85,20 +86,27 @@ class RolloutSide:
 
     @contextmanager
     def released_for_update(self, active: bool, timings: dict[str, float]) -> Iterator[None]:
-        """With `rollout.release_kv_during_train` on a GPU, the KV pool's memory goes to the update and
-        comes back after it (`time/kv_release`)."""
-        if not (active and self.release_kv):
-            yield
-            return
-        began = time.perf_counter()
-        self.engine.release_memory()
-        timings["time/kv_release"] = time.perf_counter() - began
+        """With `rollout.release_kv_during_train` on a GPU the KV pool's memory (`time/kv_release`), and
+        with `rollout.release_weights_during_train` the engine's own weights' (`time/weights_release`), go
+        to the update; both come back after it, the weights empty until the weight sync that follows."""
+        steps = []
+        if active and self.release_kv:
+            steps.append(("time/kv_release", self.engine.release_memory, self.engine.resume_memory))
+        if active and self.release_weights:
+            steps.append(("time/weights_release", self.engine.release_weights, self.engine.resume_weights))
+        released = []
         try:
+            for key, release, resume in steps:
+                began = time.perf_counter()
+                release()
+                released.append((key, resume))
+                timings[key] = time.perf_counter() - began
             yield
         finally:
-            began = time.perf_counter()
-            self.engine.resume_memory()
-            timings["time/kv_release"] += time.perf_counter() - began
+            for key, resume in reversed(released):  # the weights first: the sync needs them next
+                began = time.perf_counter()
+                resume()
+                timings[key] += time.perf_counter() - began
 
     def close(self) -> None:
         if self.multiturn is not None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from miles.config import MilesConfig
@@ -19,6 +20,9 @@ class TrainerSide:
         self.offload = OptimizerOffload(trainer, trainer.cfg.offload_optimizer_during_rollout)
         self.offload.to_host()
         self.peak = PeakMemory(trainer.device, *_global_rank())
+        self.outside_peak: Callable[[], int] = lambda: 0
+        """The most device memory a colocated engine held outside torch's allocator since the last call
+        (`Engine.outside_allocator_peak`: its reserved KV and weights regions), added to each phase's peak."""
 
     @classmethod
     def build(cls, cfg: MilesConfig, model: Any, trainer: Any, dp: DataParallel) -> tuple[TrainerSide, dict]:
@@ -60,7 +64,8 @@ class TrainerSide:
         """The policy's update on `samples` (when `update`: every rank steps, with or without samples of
         its own) and the draft's on all of this rank's `rollouts` (`time/draft_train`)."""
         metrics: dict[str, float] = {}
-        timings.update(self.peak.read("rollout"))  # since the last update: rollout, rewards, weight sync
+        # since the last update: rollout, rewards, weight sync
+        timings.update(self.peak.read("rollout", self.outside_peak()))
         offload_s = self.offload.to_device()
         if self.head is not None:  # from the hidden states of the policy that drew the samples
             self._train_draft(rollouts, metrics, timings)
@@ -71,7 +76,7 @@ class TrainerSide:
         offload_s += self.offload.to_host()
         if self.trainer.cfg.offload_optimizer_during_rollout:  # 0 where there is no GPU to free
             timings["time/offload"] = offload_s
-        timings.update(self.peak.read("update"))
+        timings.update(self.peak.read("update", self.outside_peak()))
         return metrics
 
     def _train_draft(

@@ -5,6 +5,7 @@ CUDA's device peaks only)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,13 @@ def test_projection_arithmetic_by_hand() -> None:
     assert whole["optimizer_state"] == 10 * 12 * (100 + 200) + 6000 / 2 == 39000
     tight = project(PER, ARGS, layout, micro_batch_tokens=100, capacity=70000, reserve=0)
     assert tight["kv_tokens"] > 0 and tight["fits"] is False  # the update does not fit beside the engine
+    # rollout.release_weights_during_train: the engine's copy leaves the update, and is back for rollout
+    released = replace(layout, release_engine_weights=True)
+    freed = project(PER, ARGS, released, micro_batch_tokens=100, capacity=70000, reserve=0)
+    assert freed["update_with_engine"] == freed["peak_update"] == 55250
+    assert freed["resident_rollout"] == 27500 and freed["kv_cache"] == tight["kv_cache"]
+    assert freed["fits"] is True
+    assert project(PER, ARGS, released, 100, capacity=55000, reserve=0)["fits"] is False
 
 
 def test_derive_splits_layers_from_the_rest_with_activations_per_token() -> None:
@@ -106,6 +114,11 @@ def test_two_measured_depths_predict_a_third(tmp_path: Path, capsys: pytest.Capt
     assert per_gpu["engine_weights"] == pytest.approx(third["weight_bytes"], rel=1e-12)
     assert per_gpu["activations"] is None and per_gpu["fits"] is None  # no device peaks on CPU
     assert any(line.startswith("| optimizer state") for line in lines)
+    argv = [*files[:2], "--layers", "3", "--gpus", "1", "--expert-parallel-size", "1"]
+    assert memory_table.main([*argv, "--release-engine-weights"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert json.loads(lines[0])["layout"]["release_engine_weights"] is True
+    assert any(line.startswith("| update, engine weights released too") for line in lines)
     # four experts: EP=2 on 2 GPUs holds half of every layer's experts; EP=3 is refused with the flag named
     two = [json.loads(Path(f).read_text())["results"][0]["weight_bytes"] for f in files[:2]]
     argv = [*files[:2], "--layers", "2", "--gpus", "2", "--expert-parallel-size", "2"]
