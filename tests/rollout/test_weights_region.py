@@ -106,7 +106,6 @@ def test_released_weights_come_back_at_their_addresses_and_the_sync_fills_them(
     assert region.nbytes == weight_bytes and region.mapped_bytes >= weight_bytes
     spans = [(r.address, r.address + r.nbytes) for r in region.regions]
     assert all(any(lo <= p.data_ptr() < hi for lo, hi in spans) for p in params)
-    assert engine.bytes_outside_allocator == region.mapped_bytes + engine.pool.bytes_outside_allocator
     before = engine.generate(PROMPTS, GREEDY)
     assert captures == [1]
     addresses = [p.data_ptr() for p in params]
