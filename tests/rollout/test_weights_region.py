@@ -13,6 +13,7 @@ import torch
 from miles.config import RolloutConfig
 from miles.models import CausalLM
 from miles.rollout import Engine, SamplingParams
+from miles.rollout.kv.virtual_memory import VirtualRegion
 from miles.rollout.weights_region import plan_buckets, storage_span
 from tests.support.models import tiny_model
 
@@ -42,6 +43,66 @@ def test_an_engine_on_cpu_refuses_to_release_its_weights() -> None:
     cfg = RolloutConfig(kv_cache_bytes=1 << 20, release_weights_during_train=True)
     with pytest.raises(ValueError, match="set rollout.release_weights_during_train=false"):
         Engine(tiny_model(), None, cfg)
+
+
+class _HostRegion:
+    """A CPU stand-in for `VirtualRegion` (the same carving): `unmap()` fills the bytes with 0xFF, a NaN in
+    every float dtype, as memory mapped back holds whatever it held; the engine must not compute on it."""
+
+    bytes_for = staticmethod(VirtualRegion.bytes_for)
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self.nbytes, self.address, self.mapped, self._carved = nbytes, self.buffer.data_ptr(), True, 0
+
+    def carve(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        nbytes = VirtualRegion.bytes_for([(dtype, shape)])
+        offset = -(-self._carved // 256) * 256  # virtual_memory's alignment
+        self._carved = offset + nbytes
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
+
+    def unmap(self) -> None:
+        self.mapped = False
+        self.buffer.fill_(0xFF)
+
+    def map(self) -> None:
+        self.mapped = True
+
+
+def test_the_engine_runs_again_only_once_every_parameter_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's side on CPU, over a stand-in region: released weights refuse generation and writes; back,
+    they refuse generation until every parameter is written (one is not enough); the in-process sync writes
+    them all (checksums hold) and the engine then draws what it drew before."""
+    from miles.rollout import weights_region
+    from miles.weight_sync import InProcessWeightSync
+
+    monkeypatch.setattr(weights_region, "VirtualRegion", _HostRegion)
+    monkeypatch.setattr(weights_region.virtual_memory, "supported", lambda device: True)
+    trainer_model = tiny_model(moe=True, seed=3)
+    cfg = RolloutConfig(kv_cache_bytes=1 << 20, release_weights_during_train=True)
+    engine = Engine(copy.deepcopy(trainer_model), None, cfg)
+    region = engine.weights_region
+    assert region is not None and len(region.regions) == 1
+    buffer = region.regions[0].buffer
+    for param in engine.model.parameters():  # every parameter lives in the region now
+        assert buffer.data_ptr() <= param.data_ptr() < buffer.data_ptr() + buffer.numel()
+    before = engine.generate(PROMPTS, GREEDY)
+    engine.release_weights()
+    sync = InProcessWeightSync(trainer_model, engine)
+    for call in (lambda: engine.generate(PROMPTS[:1], GREEDY), lambda: sync.sync(version=1)):
+        with pytest.raises(RuntimeError, match="resume_weights"):
+            call()
+    engine.resume_weights()
+    assert all(torch.isnan(p).all() for p in engine.model.parameters() if p.is_floating_point())
+    name, first = next(iter(trainer_model.named_parameters()))
+    engine.update_weights([(name, first.detach())])
+    with pytest.raises(RuntimeError, match="not written yet"):
+        engine.generate(PROMPTS[:1], GREEDY)
+    result = sync.sync(version=1)
+    assert result.checksum_ok and not result.mismatched
+    after = engine.generate(PROMPTS, GREEDY)
+    assert [s.response_ids for s in after] == [s.response_ids for s in before]
+    assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
 
 
 def gpu_model(moe: bool, seed: int) -> CausalLM:
