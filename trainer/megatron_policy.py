@@ -49,6 +49,7 @@ from miles.models.attention import AttentionContext
 from miles.models.layers import RotaryEmbedding
 from miles.models.model import ForwardOutput
 from miles.trainer.megatron_experts import GroupedExperts
+from miles.trainer.megatron_gating import float32_logits
 from miles.trainer.megatron_layout import (
     expert_shard,
     expert_unshard,
@@ -341,9 +342,7 @@ def _float32_gating(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """A router's logits in float32 with autocast off. megatron's own gating is an autograd function without
     autocast handling (under bf16 autocast its backward mixes bf16 and float32), and it first moves the
     router weight to `torch.cuda.current_device()`, which fails for a CPU model."""
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        bias = None if router.bias is None else router.bias.float()
-        return nn.functional.linear(hidden.float(), router.weight.float(), bias)
+    return float32_logits(hidden, router.weight, router.bias)  # backward keeps the bf16 hidden states
 
 
 class MegatronPolicy(nn.Module):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from miles.distributed import DataParallel
+from miles.trainer.grad_squares import sum_of_squares
 from miles.trainer.packing import MicroBatch
 
 
@@ -54,7 +55,7 @@ def clip_split_gradients(
     squares = torch.zeros(len(groups) + 1, dtype=torch.float64, device=device)
     for i, grads in enumerate([*split, whole]):
         if grads:
-            squares[i] = sum(g.detach().double().square().sum() for g in grads)
+            squares[i] = sum(sum_of_squares(g) for g in grads)
     for i, group in enumerate(groups):  # every rank, every group, in one order
         dist.all_reduce(squares[i : i + 1], group=group)
     total = squares.sum().sqrt().item()

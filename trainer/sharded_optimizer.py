@@ -39,6 +39,7 @@ from torch.optim.adamw import adamw
 
 from miles.config import TrainerConfig
 from miles.distributed import DataParallel
+from miles.trainer.grad_squares import sum_of_squares
 
 GradientGroups = Callable[[str], tuple[DataParallel, DataParallel | None]]
 """Parameter name -> (the ranks its gradient sums over, the ranks holding its other parts or None)."""
@@ -218,7 +219,7 @@ class ShardedAdamW:
         reduced = [self._reduce_scatter(b) for b in self.buckets]
         squares = torch.zeros((), dtype=torch.float64, device=self.buckets[0].master.device)
         for bucket, (grad, _) in zip(self.buckets, reduced):
-            local = grad.double().square().sum().reshape(1)
+            local = sum_of_squares(grad).reshape(1)
             bucket.group.all_reduce(local)
             if bucket.parts is not None:  # every rank runs the buckets' collectives in one order
                 bucket.parts.all_reduce(local)
