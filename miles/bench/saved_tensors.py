@@ -111,7 +111,7 @@ def _origin() -> str:
         name = frame.filename.replace("\\", "/")
         if any(s in name for s in _SKIPPED_FRAMES) or not any(s in name for s in _OWN_FRAMES):
             continue
-        if name.endswith("/attention.py"):
+        if name.endswith("miles/models/attention.py"):  # the varlen core attention's CPU path
             return "attention core (CPU path)"
         short = "/".join(name.split("/")[-2:])
         return f"{short}:{frame.lineno} {frame.name}"

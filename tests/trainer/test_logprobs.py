@@ -84,3 +84,13 @@ def test_bf16_hidden_runs_the_gemms_in_bf16_against_a_float32_master_weight() ->
     reference(h_ref, w_ref.bfloat16(), targets, 1.0)[0].sum().backward()
     torch.testing.assert_close(hidden.grad.float(), h_ref.grad.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(weight.grad, w_ref.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_the_logprob_path_holds_a_few_float32_chunks_of_the_vocabulary_at_once() -> None:
+    # forward and backward: the peak of live [rows, vocab] buffers is set by the chunk's rows, never by
+    # the number of rows (no [rows, vocab] float32 logits kept for autograd)
+    from miles.bench.vocab_buffers import measure
+
+    few, many = measure(96, 4099, 32, rows_per_chunk=32), measure(384, 4099, 32, rows_per_chunk=32)
+    assert few.peak_bytes == many.peak_bytes
+    assert 1 <= many.float32_chunk_copies <= 3.5
