@@ -277,6 +277,10 @@ class ShardedAdamW:
     def gather_into_model(self, bucket: Bucket) -> None:
         """Every rank's updated slice, in the weights' dtype, into the parameters."""
         group = bucket.group
+        if not group.enabled:  # each weight cast from its masters in place, without a copy of the whole bucket
+            for seg in bucket.segments:
+                seg.param.data.view(-1).copy_(bucket.master[seg.offset : seg.offset + seg.numel])
+            return
         # on the weights' device: a resume may load the shards while they are offloaded to the host
         local = bucket.master.to(device=bucket.segments[0].param.device, dtype=bucket.dtype)
         if group.enabled:
