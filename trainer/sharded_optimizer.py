@@ -277,7 +277,9 @@ class ShardedAdamW:
     def gather_into_model(self, bucket: Bucket) -> None:
         """Every rank's updated slice, in the weights' dtype, into the parameters."""
         group = bucket.group
-        if not group.enabled:  # each weight cast from its masters in place, without a copy of the whole bucket
+        if (
+            not group.enabled
+        ):  # each weight cast from its masters in place, without a copy of the whole bucket
             for seg in bucket.segments:
                 seg.param.data.view(-1).copy_(bucket.master[seg.offset : seg.offset + seg.numel])
             return
