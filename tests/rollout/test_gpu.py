@@ -17,7 +17,7 @@ from miles.models import CausalLM, ModelArgs, fused_norm_rope
 from miles.models.moe import Experts
 from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample
-from tests.support.models import tiny_model
+from tests.support.models import count_graph_captures, gpu_model
 
 try:
     import triton
@@ -40,23 +40,6 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 NEAR_TIE = 0.25
 """Max logit gap (bf16 logits of order 1-10; MoE routing can flip on a rounding) between two picks that may
 legitimately differ."""
-
-
-def gpu_model(moe: bool, seed: int = 0, kv_heads: int = 2) -> CausalLM:
-    """The rollout tests' tiny model at flashinfer-friendly sizes (head_dim 128), in bf16 on the GPU."""
-    sizes: dict[str, object] = dict(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=kv_heads,
-        head_dim=128,
-        max_position_embeddings=1024,
-    )
-    if moe:
-        sizes["moe_intermediate_size"] = 128
-    return tiny_model(moe, seed, **sizes).to(device="cuda", dtype=torch.bfloat16)
 
 
 def config(**overrides: object) -> RolloutConfig:
@@ -1042,16 +1025,7 @@ def test_a_released_kv_pool_comes_back_at_its_addresses_and_the_graphs_replay(
     to the same tokens, logprobs and routing as before the release, also for requests released mid-decode."""
     import gc
 
-    from miles.rollout.cuda_graph import CudaGraphRunner
-
-    captures: list[int] = []
-    capture = CudaGraphRunner.capture
-
-    def counted(self: CudaGraphRunner) -> None:
-        captures.append(1)
-        capture(self)
-
-    monkeypatch.setattr(CudaGraphRunner, "capture", counted)
+    captures = count_graph_captures(monkeypatch)
     model = gpu_model(moe, seed=9)
     params = GREEDY.with_(n=3, return_routing=moe)
     cfg = config(backend="flashinfer", cuda_graph=True, cuda_graph_piecewise_min_batch=8, record_routing=moe)

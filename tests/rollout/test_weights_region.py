@@ -15,7 +15,7 @@ from miles.models import CausalLM
 from miles.rollout import Engine, SamplingParams
 from miles.rollout.kv.virtual_memory import VirtualRegion
 from miles.rollout.weights_region import plan_buckets, storage_span
-from tests.support.models import tiny_model
+from tests.support.models import count_graph_captures, gpu_model, tiny_model
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)] + [[7] * 70]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
@@ -105,22 +105,11 @@ def test_the_engine_runs_again_only_once_every_parameter_is_written(monkeypatch:
     assert [s.rollout_logprobs for s in after] == [s.rollout_logprobs for s in before]
 
 
-def gpu_model(moe: bool, seed: int) -> CausalLM:
-    """Weights of ~30 MB in bf16 (well above the driver's 2 MB mapping granularity), flashinfer-friendly
-    head_dim 128."""
-    sizes: dict[str, object] = dict(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=1024,
+def large_gpu_model(moe: bool, seed: int) -> CausalLM:
+    """Weights of ~30 MB in bf16 (well above the driver's 2 MB mapping granularity)."""
+    return gpu_model(
+        moe, seed, moe_intermediate_size=256, vocab_size=8192, hidden_size=512, intermediate_size=1024
     )
-    if moe:
-        sizes["moe_intermediate_size"] = 256
-    return tiny_model(moe, seed, **sizes).to(device="cuda", dtype=torch.bfloat16)
 
 
 def free_memory() -> int:
@@ -139,18 +128,10 @@ def test_released_weights_come_back_at_their_addresses_and_the_sync_fills_them(
     weights' memory back, the resume maps memory at the same addresses, the engine refuses to run until a sync
     wrote every parameter, and the graphs (not captured again) then decode with the synced weights: other
     weights give other tokens, the trainer's again the first run's tokens and logprobs, bit for bit."""
-    from miles.rollout.cuda_graph import CudaGraphRunner
     from miles.weight_sync import InProcessWeightSync
 
-    captures: list[int] = []
-    capture = CudaGraphRunner.capture
-
-    def counted(self: CudaGraphRunner) -> None:
-        captures.append(1)
-        capture(self)
-
-    monkeypatch.setattr(CudaGraphRunner, "capture", counted)
-    trainer_model, other = gpu_model(moe, seed=9), gpu_model(moe, seed=10)
+    captures = count_graph_captures(monkeypatch)
+    trainer_model, other = large_gpu_model(moe, seed=9), large_gpu_model(moe, seed=10)
     cfg = RolloutConfig(
         backend="flashinfer",
         kv_cache_fraction=0.02,

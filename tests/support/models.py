@@ -45,6 +45,41 @@ def tiny_model(moe: bool = False, seed: int = 0, **overrides: object) -> CausalL
     return model.eval()
 
 
+def gpu_model(
+    moe: bool, seed: int = 0, kv_heads: int = 2, moe_intermediate_size: int = 128, **sizes: object
+) -> CausalLM:
+    """The rollout tests' tiny model at flashinfer-friendly sizes (head_dim 128), in bf16 on the GPU;
+    `sizes` overrides the shape (e.g. larger weights)."""
+    shape: dict[str, object] = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        head_dim=128,
+        max_position_embeddings=1024,
+    )
+    if moe:
+        shape["moe_intermediate_size"] = moe_intermediate_size
+    return tiny_model(moe, seed, **{**shape, **sizes}).to(device="cuda", dtype=torch.bfloat16)
+
+
+def count_graph_captures(monkeypatch: Any) -> list[int]:
+    """A list that gets one entry per CUDA graph capture from now on (CudaGraphRunner.capture wrapped)."""
+    from miles.rollout.cuda_graph import CudaGraphRunner
+
+    captures: list[int] = []
+    capture = CudaGraphRunner.capture
+
+    def counted(self: CudaGraphRunner) -> None:
+        captures.append(1)
+        capture(self)
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", counted)
+    return captures
+
+
 def hf_logq(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """log of the distribution transformers' sampling draws from (warpers in generate's order)."""
     scores = logits.clone()[None]
