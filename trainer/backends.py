@@ -52,7 +52,7 @@ def build_policy(
             raise MilesUserError(
                 "trainer.routing_replay is not available with trainer.backend=deepspeed; use trainer.backend=torch"
             )
-        from miles.trainer.deepspeed_policy import DeepSpeedPolicy
+        from miles.trainer.deepspeed.policy import DeepSpeedPolicy
 
         return DeepSpeedPolicy(model)
     if precision == "bf16" and model.device.type != "cuda":
@@ -60,7 +60,7 @@ def build_policy(
             "trainer.precision=bf16 with trainer.backend=megatron needs CUDA (megatron-core's linear layers "
             "carry autocast into their backward on CUDA only); use trainer.precision=fp32 on CPU"
         )
-    from miles.trainer.megatron_policy import MegatronPolicy
+    from miles.trainer.megatron.policy import MegatronPolicy
 
     return MegatronPolicy.from_model(model, tensor_parallel, expert_parallel, expert_tensor_parallel)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from miles.distributed import DataParallel
-from miles.trainer.grad_squares import sum_of_squares
+from miles.trainer.distributed_optimizer.grad_squares import sum_of_squares
 from miles.trainer.packing import MicroBatch
 
 

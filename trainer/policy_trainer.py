@@ -33,7 +33,14 @@ from miles.distributed import SINGLE, DataParallel
 from miles.models import CausalLM, fused
 from miles.sample import Sample
 from miles.trainer.algorithms import PolicyLossFn, get_policy_loss
-from miles.trainer.deepspeed_policy import DeepSpeedPolicy, ZeroStep
+from miles.trainer.deepspeed.policy import DeepSpeedPolicy, ZeroStep
+from miles.trainer.distributed_optimizer.trainer import (
+    build_sharded_optimizer,
+    check_optimizer_kind,
+    load_sharded_state_dict,
+    sharded_state_dict,
+    sharded_update,
+)
 from miles.trainer.kl import KL_ESTIMATORS, kl_estimate
 from miles.trainer.logprobs import autocast, packed_logprobs, use_fused_kernels
 from miles.trainer.losses import LossNormalizer, PolicyLossInput
@@ -44,13 +51,6 @@ from miles.trainer.model_parallel import clip_split_gradients, gradient_sets, is
 from miles.trainer.optim import build_optimizer, lr_multiplier, set_lr
 from miles.trainer.packing import MicroBatch, fed_length, pack, response_loss_mask, validate_sample
 from miles.trainer.recompute import apply_recompute
-from miles.trainer.sharded_trainer import (
-    build_sharded_optimizer,
-    check_optimizer_kind,
-    load_sharded_state_dict,
-    sharded_state_dict,
-    sharded_update,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +129,10 @@ class PolicyTrainer:
         apply_recompute(model, cfg.recompute)
         self.sharded = build_sharded_optimizer(model, cfg, self.dp, self.world)
         """`trainer.distributed_optimizer`: masters, moments and reduced gradients split over the data-parallel
-        ranks (trainer/sharded_optimizer.py); the replicated AdamW below then holds no state."""
+        ranks (trainer/distributed_optimizer/adamw.py); the replicated AdamW below then holds no state."""
         self.zero = model.start(cfg, self.dp) if isinstance(model, DeepSpeedPolicy) else None
         """`trainer.backend=deepspeed`: DeepSpeed runs the backward, the step and keeps the optimizer state
-        (trainer/deepspeed_policy.py); the AdamW below then holds none."""
+        (trainer/deepspeed/policy.py); the AdamW below then holds none."""
         wants_masters = (
             self.sharded is None and self.zero is None and wants_master_weights(model, cfg.master_weights)
         )

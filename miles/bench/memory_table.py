@@ -150,7 +150,7 @@ def derive(a: Measured, b: Measured, args: ModelArgs) -> PerLayer:
 
 def check_layout(args: ModelArgs, layout: Layout) -> None:
     """The trainer's own layout checks (megatron_parallel.check_parallel_sizes), naming this tool's flags."""
-    from miles.trainer.megatron_parallel import ParallelSizes, check_parallel_sizes
+    from miles.trainer.megatron.parallel import ParallelSizes, check_parallel_sizes
 
     if layout.gpus < 1:
         raise MilesUserError(f"--gpus must be at least 1, got {layout.gpus}")

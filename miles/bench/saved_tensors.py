@@ -183,7 +183,7 @@ def build(args: argparse.Namespace) -> nn.Module:
     model: CausalLM = build_random_model(model_args, args.dtype, "cpu", seed=args.seed)
     policy: nn.Module = model
     if args.backend == "megatron":
-        from miles.trainer.megatron_policy import MegatronPolicy
+        from miles.trainer.megatron.policy import MegatronPolicy
 
         policy = MegatronPolicy.from_model(model)
         del model

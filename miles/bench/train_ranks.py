@@ -56,8 +56,8 @@ def check_sizes(a: argparse.Namespace, args: ModelArgs, backends: list[str]) -> 
             check_tensor_parallel(backend, tp)
             check_expert_parallel_config(cfg)
         if tp != 1 or ep != 1 or etp not in (None, 1):  # megatron only: the checks above refuse the others
-            from miles.trainer.megatron_parallel import ParallelSizes, check_parallel_sizes
-            from miles.trainer.megatron_policy import check_megatron_supports
+            from miles.trainer.megatron.parallel import ParallelSizes, check_parallel_sizes
+            from miles.trainer.megatron.policy import check_megatron_supports
 
             if not args.num_experts:  # a dense model's experts-TP is 1 whatever TP is, as MegatronPolicy's
                 etp = etp or 1

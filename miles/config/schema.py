@@ -201,8 +201,8 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     backend: str = "torch"
-    """torch (our model) | megatron (megatron-core layers, trainer/megatron_policy.py) | deepspeed (ZeRO over
-    the data-parallel ranks, trainer/deepspeed_policy.py)."""
+    """torch (our model) | megatron (megatron-core layers, trainer/megatron/policy.py) | deepspeed (ZeRO over
+    the data-parallel ranks, trainer/deepspeed/policy.py)."""
     max_steps: int = 100
     """RL steps (rollout + update) to run."""
     lr: float = 1e-5
@@ -238,7 +238,7 @@ class TrainerConfig:
     """deepspeed backend, zero_stage=3: none | cpu (the weight shards in host memory between uses)."""
     deepspeed_extra: dict[str, Any] = field(default_factory=dict)
     """deepspeed backend: keys merged over the DeepSpeed config built from these settings
-    (trainer/deepspeed_config.py), e.g. +trainer.deepspeed_extra.zero_optimization.reduce_bucket_size=5e7."""
+    (trainer/deepspeed/config.py), e.g. +trainer.deepspeed_extra.zero_optimization.reduce_bucket_size=5e7."""
     fused_kernels: str = "auto"
     """auto | on | off: the torch backend's elementwise chains (RMSNorm, residual add + norm, q/k norm + RoPE,
     SwiGLU) through torch.compile, forward and backward, as the engine runs them; auto: on CUDA in bf16."""
@@ -275,7 +275,7 @@ class TrainerConfig:
     """Device peak FLOP/s for train/mfu; 0 looks up known GPUs and omits train/mfu when unknown (CPU)."""
     distributed_optimizer: bool = False
     """Shard the float32 master weights, AdamW moments and reduced gradients over the data-parallel ranks
-    (trainer/sharded_optimizer.py): gradients reduce-scattered, updated weights all-gathered; checkpoints then
+    (trainer/distributed_optimizer/adamw.py): gradients reduce-scattered, updated weights all-gathered; checkpoints then
     hold each rank's shards (torch.distributed.checkpoint). It always keeps float32 master slices (whatever
     trainer.master_weights says)."""
     recompute: str = "none"

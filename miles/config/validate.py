@@ -14,7 +14,7 @@ from miles.rollout import SamplingParams
 from miles.rollout.checks import check_rollout_config
 from miles.trainer.algorithms import get_advantage, get_policy_loss
 from miles.trainer.backends import check_backend, check_tensor_parallel
-from miles.trainer.draft_trainer import check_draft_settings
+from miles.trainer.draft.model_trainer import check_draft_settings
 from miles.trainer.group_filter import load_group_filter
 from miles.trainer.losses import LOSS_AGG_MODES
 from miles.trainer.offload import check_memory_plan
@@ -60,7 +60,7 @@ def check_placement(config: MilesConfig) -> None:
     """Options the schema names but this build cannot run yet fail at start, not mid-run."""
     check_backend(config.trainer.backend)
     if config.trainer.backend == "deepspeed":
-        from miles.trainer.deepspeed_config import check_deepspeed_settings
+        from miles.trainer.deepspeed.config import check_deepspeed_settings
 
         check_deepspeed_settings(config.trainer)
     check_recompute(config.trainer.recompute)
@@ -100,7 +100,7 @@ def check_placement(config: MilesConfig) -> None:
 
 def check_expert_parallel_config(config: MilesConfig) -> None:
     """Expert (tensor) parallelism: megatron only, and sizes whose product divides the processes (the model's
-    own dimensions are checked when it loads: megatron_parallel.check_parallel_sizes)."""
+    own dimensions are checked when it loads: trainer/megatron/parallel.py, check_parallel_sizes)."""
     trainer, processes = config.trainer, max(config.placement.num_processes, world_from_env())
     ep, etp = trainer.expert_parallel_size, trainer.expert_tensor_parallel_size
     if ep == 1 and etp in (None, 1):

@@ -8,7 +8,7 @@ t + 3, t + 4, ... in turn. It shares the model's embedding and LM head (not its 
 Qwen3-8B holds ~1/40 of the model), so a proposal of k tokens costs k passes over the head and the LM head,
 no attention and no KV cache of its own: the context reaches the head only through the model's hidden state.
 
-The one definition runs in the engine (proposing) and in the trainer (trainer/draft_head_trainer.py).
+The one definition runs in the engine (proposing) and in the trainer (trainer/draft/head_trainer.py).
 On disk: `draft_head_config.json` and `model.safetensors` (safetensors only).
 """
 

@@ -24,7 +24,7 @@ from miles.resume import (
 )
 from miles.rl.sharded_checkpoint import load_optimizer_shards, move_into, save_optimizer_shards
 from miles.tracking import Tracker, read_records, redact
-from miles.trainer.sharded_trainer import META_KEY as SHARDED_META_KEY
+from miles.trainer.distributed_optimizer.trainer import META_KEY as SHARDED_META_KEY
 
 log = logging.getLogger("miles.rl")
 
@@ -62,7 +62,7 @@ def state_writer(
         if staging is not None:
             move_into(staging, folder)
         if zero_staging is not None:
-            from miles.trainer.deepspeed_policy import CHECKPOINT_DIR
+            from miles.trainer.deepspeed.policy import CHECKPOINT_DIR
 
             zero_staging.rename(folder / CHECKPOINT_DIR)
         draft_state = None
@@ -139,7 +139,7 @@ def resume_run(
         cut = state.trainer["meta"][SHARDED_META_KEY]
         load_optimizer_shards(trainer.sharded, folder, cut, trainer.world)
     if getattr(trainer, "zero", None) is not None:  # the weights, float32 masters and moments DeepSpeed saved
-        from miles.trainer.deepspeed_policy import CHECKPOINT_DIR
+        from miles.trainer.deepspeed.policy import CHECKPOINT_DIR
 
         trainer.zero.load(folder / CHECKPOINT_DIR)
     if resize_to is not None:

@@ -23,7 +23,7 @@ import torch
 
 from miles.distributed import DataParallel
 from miles.errors import MilesUserError
-from miles.trainer.sharded_optimizer import Bucket, ShardedAdamW
+from miles.trainer.distributed_optimizer.adamw import Bucket, ShardedAdamW
 
 SHARDS_DIR = "optimizer_shards"
 _STAGING = ".optimizer_shards_step_{step:06d}.tmp"

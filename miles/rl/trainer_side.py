@@ -32,7 +32,7 @@ class TrainerSide:
             return cls(trainer), {}
         if cfg.rollout.speculative == "head":
             from miles.rollout.spec.head import load_head
-            from miles.trainer.draft_head_trainer import DraftHeadTrainer
+            from miles.trainer.draft.head_trainer import DraftHeadTrainer
 
             head = load_head(model, cfg.rollout)
             dp.broadcast_module(head)
@@ -40,7 +40,7 @@ class TrainerSide:
                 "draft_head": head
             }
         from miles.rollout.spec.draft_model import load_draft_model
-        from miles.trainer.draft_trainer import DraftTrainer
+        from miles.trainer.draft.model_trainer import DraftTrainer
 
         draft = load_draft_model(model, cfg.rollout)
         dp.broadcast_module(draft)

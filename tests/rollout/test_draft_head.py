@@ -38,7 +38,7 @@ def _peaky_model():  # noqa: ANN202
 def _trained_head(model, samples) -> DraftHead:  # noqa: ANN001
     """A head trained on the model's own samples, so that many of its drafts are accepted."""
     from miles.config import RolloutConfig, TrainerConfig
-    from miles.trainer.draft_head_trainer import DraftHeadTrainer
+    from miles.trainer.draft.head_trainer import DraftHeadTrainer
 
     head = new_draft_head(model.args, 0, model.dtype, model.device, seed=1)
     rollout = RolloutConfig(spec_draft_train=True, spec_draft_lr=3e-3, spec_draft_train_epochs=40)

@@ -511,7 +511,7 @@ def test_draft_head_speculation_on_cuda_matches_plain_decoding(monkeypatch: pyte
     are plain decoding's until a near-tie. Proposals chained behind the verify steps are the ones the next
     step would make."""
     from miles.models.draft_head import new_draft_head
-    from miles.trainer.draft_head_trainer import DraftHeadTrainer
+    from miles.trainer.draft.head_trainer import DraftHeadTrainer
     from tests.rollout.test_draft_head import compare_chained_proposals
 
     model = gpu_model(moe=False, seed=7)

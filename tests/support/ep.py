@@ -46,7 +46,7 @@ def ep_worker(rank: int, world: int, store: str, case: dict, out_dir: str) -> No
 
     torch.set_num_threads(1)
     cuda = case.get("device") == "cuda"
-    if not cuda:  # megatron's collectives run on the CPU in processes without CUDA (megatron_parallel.py)
+    if not cuda:  # megatron's collectives run on the CPU in processes without CUDA (megatron/parallel.py)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if cuda:
         torch.cuda.set_device(rank)

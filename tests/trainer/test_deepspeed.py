@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from miles.config import TrainerConfig
 from miles.distributed import DataParallel
 from miles.errors import MilesUserError
-from miles.trainer.deepspeed_config import check_deepspeed_settings, deepspeed_config
+from miles.trainer.deepspeed.config import check_deepspeed_settings, deepspeed_config
 from tests.support.deepspeed import offload_worker, zero_worker
 
 pytest.importorskip("deepspeed")

@@ -1,4 +1,4 @@
-"""Online training of the draft model (`rollout.spec_draft_train`, trainer/draft_trainer.py): trained on the
+"""Online training of the draft model (`rollout.spec_draft_train`, trainer/draft/model_trainer.py): trained on the
 policy's samples, the draft proposes what the policy samples more often, while the samples stay plain
 decoding's; a run checkpoints and resumes the trained draft."""
 
@@ -20,7 +20,7 @@ from miles.errors import MilesUserError
 from miles.model_io import load_model
 from miles.rollout import Engine, SamplingParams
 from miles.sample import Sample, SampleStatus
-from miles.trainer.draft_trainer import DraftTrainer
+from miles.trainer.draft.model_trainer import DraftTrainer
 from tests.support.cli import run_miles
 
 _RUN_WITH_DRAFT_TRAINING = [

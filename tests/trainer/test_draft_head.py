@@ -1,4 +1,4 @@
-"""Online training of the draft head (`rollout.speculative=head`, trainer/draft_head_trainer.py): the loss is
+"""Online training of the draft head (`rollout.speculative=head`, trainer/draft/head_trainer.py): the loss is
 the KL of every (position, step) target against a loop written out here; trained on the policy's samples the
 head is accepted far more, the samples staying plain decoding's; a run checkpoints and resumes the head."""
 
@@ -18,7 +18,7 @@ from miles.models.attention import VarlenAttention
 from miles.models.draft_head import load_draft_head, new_draft_head
 from miles.rollout import Engine
 from miles.sample import Sample
-from miles.trainer.draft_head_trainer import DraftHeadTrainer
+from miles.trainer.draft.head_trainer import DraftHeadTrainer
 from tests.support.cli import run_miles
 from tests.trainer.test_draft import _config, train_between_generations
 

@@ -18,8 +18,8 @@ from miles.models import ModelArgs, VarlenAttention
 from miles.models.checkpoint import iter_hf_tensors
 from miles.tracking import read_records
 from miles.trainer.backends import build_policy, check_backend, copy_policy_into
-from miles.trainer.megatron_layout import from_megatron, qkv_from_megatron, qkv_to_megatron, to_megatron
-from miles.trainer.megatron_policy import MegatronPolicy
+from miles.trainer.megatron.layout import from_megatron, qkv_from_megatron, qkv_to_megatron, to_megatron
+from miles.trainer.megatron.policy import MegatronPolicy
 from tests.models.test_parity import _build, random_ids, relative_error
 from tests.support.cli import run_miles
 from tests.support.dp import make_trainer, scored_samples, tiny_moe
@@ -143,7 +143,7 @@ def test_grouped_experts_equal_the_per_expert_loop_and_the_engine_experts(monkey
     # no tokens
     from types import SimpleNamespace
 
-    import miles.trainer.megatron_experts as megatron_experts
+    import miles.trainer.megatron.experts as megatron_experts
     from miles.models.moe import Experts
 
     config = SimpleNamespace(add_bias_linear=False, hidden_size=16, moe_ffn_hidden_size=8)

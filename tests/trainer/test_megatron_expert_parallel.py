@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from miles.distributed import SINGLE
 from miles.errors import MilesUserError
 from miles.trainer.backends import build_policy
-from miles.trainer.megatron_layout import expert_shard, expert_unshard
+from miles.trainer.megatron.layout import expert_shard, expert_unshard
 from tests.support.dp import make_trainer, scored_samples, tiny_moe
 from tests.support.ep import ep_worker, with_routes
 
@@ -117,7 +117,7 @@ def test_expert_shards_put_back_together() -> None:
 
 
 def test_layouts_that_cannot_split_fail_at_start_with_what_to_do() -> None:
-    from miles.trainer.megatron_parallel import ParallelSizes, check_parallel_sizes
+    from miles.trainer.megatron.parallel import ParallelSizes, check_parallel_sizes
 
     args = tiny_moe().args
     with pytest.raises(MilesUserError, match="must divide the model's 8 experts"):
@@ -130,7 +130,7 @@ def test_layouts_that_cannot_split_fail_at_start_with_what_to_do() -> None:
         check_parallel_sizes(tiny_moe().args.__class__(model_type="qwen3"), 2, ParallelSizes(expert=2))
     with pytest.raises(MilesUserError, match="need trainer.backend=megatron"):
         build_policy("torch", tiny_moe(), expert_parallel=2)
-    from miles.trainer.megatron_parallel import install_cpu_collectives
+    from miles.trainer.megatron.parallel import install_cpu_collectives
 
     with pytest.raises(MilesUserError, match="gloo has no all-gather of uneven parts"):
         with pytest.MonkeyPatch.context() as patch:  # as in a process without CUDA
@@ -147,9 +147,7 @@ def test_grpo_with_expert_parallel_follows_data_parallel_and_resumes_at_any_layo
     from tests.support.cli import run_miles
     from tests.trainer.test_megatron import COMMON
 
-    monkeypatch.setenv(
-        "CUDA_VISIBLE_DEVICES", ""
-    )  # CPU processes (megatron_parallel.install_cpu_collectives)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU processes (trainer/megatron/parallel.py)
     common = [*COMMON, "trainer.backend=megatron", "placement.num_processes=2", "algorithm.entropy_coef=0.01"]
     runs = tmp_path / "runs"
     for name, extra in {

@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core")
 
 
 def test_megatron_routers_replay_the_engines_experts() -> None:
-    from miles.trainer.megatron_policy import MegatronPolicy
+    from miles.trainer.megatron.policy import MegatronPolicy
 
     model = tiny_model(std=0.3, vocab_size=40, num_experts=6)  # large weights: near-tied router scores
     engine = Engine(model, None, RolloutConfig(record_routing=True))

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from miles.bench.saved_tensors import measure
 from miles.models.presets import build_random_model, preset_args
-from miles.trainer.grad_squares import sum_of_squares
-from miles.trainer.megatron_experts import swiglu_scaled
+from miles.trainer.distributed_optimizer.grad_squares import sum_of_squares
+from miles.trainer.megatron.experts import swiglu_scaled
 
 pytest.importorskip("megatron.core")
 
@@ -21,7 +21,7 @@ HIDDEN, TOP_K, INTER, HEADS, KV_HEADS, HEAD_DIM = 128, 4, 48, 4, 2, 32
 
 
 def _scaled_moe_policy():
-    from miles.trainer.megatron_policy import MegatronPolicy
+    from miles.trainer.megatron.policy import MegatronPolicy
 
     args = replace(
         preset_args(None, "qwen3-30b-a3b", vocab_size=256),
@@ -43,9 +43,9 @@ def test_megatron_moe_layer_keeps_at_most_the_audited_bytes_per_token() -> None:
     for (_, where), b in result.layer.items():
         by_file[where.split(":")[0]] = by_file.get(where.split(":")[0], 0.0) + b
     # the experts keep their permuted input, fc1's output and the activation (bf16), and the probabilities
-    assert by_file["trainer/megatron_experts.py"] == TOP_K * (2 * (HIDDEN + 2 * INTER + INTER) + 4)
+    assert by_file["trainer/megatron/experts.py"] == TOP_K * (2 * (HIDDEN + 2 * INTER + INTER) + 4)
     # the router keeps its bf16 input, not a float32 copy
-    assert by_file["trainer/megatron_gating.py"] == 2 * HIDDEN
+    assert by_file["trainer/megatron/gating.py"] == 2 * HIDDEN
     # the whole layer without the CPU-only attention softmax, audited: 6,992 bytes a token at this shape
     # (megatron's norms' float32 CPU path included); a tensor kept twice or in float32 where bf16 is computed exceeds it
     kept = sum(b for (_, where), b in result.layer.items() if where != "attention core (CPU path)")

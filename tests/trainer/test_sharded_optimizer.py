@@ -1,4 +1,4 @@
-"""The distributed optimizer (trainer/sharded_optimizer.py) against the replicated AdamW, over gloo."""
+"""The distributed optimizer (trainer/distributed_optimizer/adamw.py) against the replicated AdamW, over gloo."""
 
 from __future__ import annotations
 

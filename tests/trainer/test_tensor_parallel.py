@@ -21,7 +21,7 @@ from miles.errors import MilesUserError
 from miles.tracking import read_records
 from miles.trainer.backends import build_policy
 from miles.trainer.logprobs import packed_logprobs
-from miles.trainer.megatron_layout import to_megatron, tp_partition, tp_shard, tp_unshard
+from miles.trainer.megatron.layout import to_megatron, tp_partition, tp_shard, tp_unshard
 from miles.trainer.packing import pack
 from tests.support.cli import run_miles
 from tests.support.dp import make_trainer, scored_samples

@@ -134,7 +134,7 @@ def test_tensor_parallel_weights_round_trip_bit_for_bit(tp2_results) -> None:
 def test_top1_renormalised_moe_router_is_refused_with_what_to_do() -> None:
     # megatron-core's TransformerConfig raises "Please use --moe-router-pre-softmax when topk is 1." (a
     # megatron CLI flag, a ValueError) for Qwen3-MoE's top-1 router with norm_topk_prob
-    from miles.trainer.megatron_policy import MegatronPolicy
+    from miles.trainer.megatron.policy import MegatronPolicy
 
     model = tiny_model(num_experts=4, num_experts_per_tok=1, norm_topk_prob=True)
     with pytest.raises(MilesUserError, match="num_experts_per_tok=1.*trainer.backend=torch"):

@@ -10,7 +10,7 @@ replay on megatron's routers: the pieces `MegatronPolicy` installs on megatron-c
 * **MoE layers under TP.** Without sequence parallelism every TP rank holds all tokens. Each MoE layer takes
   this rank's slice of them (padded to split evenly) and gathers the outputs back (`split_moe_over_tp`), so
   the experts see each token once: the expert weights' gradients need no correction, and the router's is
-  each rank's share (summed over TP, megatron_layout.tp_partial_gradient).
+  each rank's share (summed over TP, layout.tp_partial_gradient).
 * **Routing replay.** `install_routing`: each router takes the experts the engine chose at rollout when a
   replay is set (its gating weights still this forward's softmax, renormalised over them as Qwen3-MoE does),
   and records what it used.

@@ -26,7 +26,7 @@ from miles.config import TrainerConfig
 from miles.distributed import SINGLE, DataParallel
 from miles.errors import MilesUserError
 from miles.models import CausalLM
-from miles.trainer.deepspeed_config import check_deepspeed_settings, deepspeed_config
+from miles.trainer.deepspeed.config import check_deepspeed_settings, deepspeed_config
 from miles.trainer.logprobs import TokenLogprobs, packed_logprobs
 from miles.trainer.optim import build_optimizer, set_lr
 from miles.trainer.packing import MicroBatch, pack

@@ -5,7 +5,7 @@ Plain tensor arithmetic, no megatron import. Megatron's differences from our mod
     `qkv_proj` stacks all q rows, then all k rows, then all v rows;
   * norms and projections are named after their place (`pre_mlp_layernorm`, `linear_proj`, ...).
 Dense `linear_fc1` is [gate; up] like our `gate_up_proj`, so it maps unchanged, and so do the stacked
-experts of `GroupedExperts` (trainer/megatron_experts.py), whose layout is ours.
+experts of `GroupedExperts` (trainer/megatron/experts.py), whose layout is ours.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ _PARTIAL_GRADIENT = (
 def tp_partial_gradient(name: str) -> bool:
     """Whether a whole (unsplit) parameter's gradient is only this TP rank's share: the q/k norms' weights are
     applied to every head, and each rank holds some of the heads; a router sees only this rank's slice of the
-    tokens (the MoE layer runs sequence-split under TP, megatron_parallel.py)."""
+    tokens (the MoE layer runs sequence-split under TP, megatron/parallel.py)."""
     match = _MEGATRON_LAYER.match(name)
     return match is not None and match.group(2) in _PARTIAL_GRADIENT
 

@@ -11,12 +11,12 @@ and its optimizer state is keyed by megatron's names. Four pieces are ours, each
     scaling included), then applied by megatron's `apply_rotary_pos_emb`;
   * the routers' gating (logits in float32 with autocast off, on the weight's own device);
   * the experts: megatron's grouped-GEMM experts need Transformer Engine or the `grouped_gemm` package, and
-    its `SequentialMLP` loops over experts, so `GroupedExperts` (megatron_experts.py) takes the dispatcher's
+    its `SequentialMLP` loops over experts, so `GroupedExperts` (megatron/experts.py) takes the dispatcher's
     permuted tokens into torch's grouped GEMMs.
 
 `PolicyTrainer` drives it unchanged (`forward_packed`, `lm_head`, `args`, `device`, `dtype`); the engine keeps
 its own `CausalLM`, which the weight sync fills from `engine_weights()` (megatron's layout converted, see
-megatron_layout.py), with the checksum proving both sides agree after every step.
+megatron/layout.py), with the checksum proving both sides agree after every step.
 
 The same code runs on CPU (CI, debugging) and CUDA: megatron-core's CUDA-only paths (its causal mask, RoPE
 table and router gating, which moves the router weight to the current GPU) are among those replaced.
@@ -24,7 +24,7 @@ Tensor parallelism (`tensor_parallel`): megatron's parallel layers hold this ran
 splits whole weights, `gather`/`engine_weights` put them back together, and the LM head's logprobs are
 vocabulary-parallel (vocab_parallel.py). Expert parallelism (`expert_parallel`) and expert tensor parallelism
 split the stacked experts over ranks through megatron's all-to-all dispatcher; MoE layers under TP run on a
-slice of the tokens; routing replay goes through the routers (megatron_parallel.py). Pipeline parallelism is
+slice of the tokens; routing replay goes through the routers (megatron/parallel.py). Pipeline parallelism is
 not wired; replicas are data-parallel as with the torch backend.
 """
 
@@ -48,9 +48,9 @@ from miles.models import CausalLM, ModelArgs, RoutingTrace
 from miles.models.attention import AttentionContext
 from miles.models.layers import RotaryEmbedding
 from miles.models.model import ForwardOutput
-from miles.trainer.megatron_experts import GroupedExperts
-from miles.trainer.megatron_gating import float32_logits
-from miles.trainer.megatron_layout import (
+from miles.trainer.megatron.experts import GroupedExperts
+from miles.trainer.megatron.gating import float32_logits
+from miles.trainer.megatron.layout import (
     expert_shard,
     expert_unshard,
     from_megatron,
@@ -61,7 +61,7 @@ from miles.trainer.megatron_layout import (
     tp_shard,
     tp_unshard,
 )
-from miles.trainer.megatron_parallel import (
+from miles.trainer.megatron.parallel import (
     ParallelSizes,
     RoutingState,
     build_alltoall_dispatcher_on_cpu,
@@ -275,7 +275,7 @@ def transformer_config(
             # autocast handling, so under bf16 autocast its backward would mix dtypes otherwise
             moe_router_dtype="fp32",
             moe_aux_loss_coeff=0.0,
-            # all-to-all over the EP ranks, with variable token counts per rank (CPU: megatron_parallel.py)
+            # all-to-all over the EP ranks, with variable token counts per rank (CPU: megatron/parallel.py)
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             expert_model_parallel_size=sizes.expert,
@@ -404,7 +404,7 @@ class MegatronPolicy(nn.Module):
         def build() -> GPTModel:
             with warnings.catch_warnings():
                 # per-layer deprecation notes about megatron's own argument defaults, and its note that
-                # EP x TP wants sequence parallelism (the MoE layers run sequence-split: megatron_parallel.py)
+                # EP x TP wants sequence parallelism (the MoE layers run sequence-split: megatron/parallel.py)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 warnings.filterwarnings(
                     "ignore", message="When using expert parallelism and tensor parallelism"

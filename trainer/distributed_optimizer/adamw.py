@@ -39,7 +39,7 @@ from torch.optim.adamw import adamw
 
 from miles.config import TrainerConfig
 from miles.distributed import DataParallel
-from miles.trainer.grad_squares import sum_of_squares
+from miles.trainer.distributed_optimizer.grad_squares import sum_of_squares
 
 GradientGroups = Callable[[str], tuple[DataParallel, DataParallel | None]]
 """Parameter name -> (the ranks its gradient sums over, the ranks holding its other parts or None)."""

@@ -11,7 +11,7 @@ from torch import nn
 from miles.config import TrainerConfig
 from miles.distributed import DataParallel
 from miles.errors import MilesUserError
-from miles.trainer.sharded_optimizer import ShardedAdamW
+from miles.trainer.distributed_optimizer.adamw import ShardedAdamW
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from miles.models.draft_head import DraftHead, load_draft_head, save_draft_head
 from miles.models.model import CausalLM
 from miles.resume import DRAFT_HEAD_DIR
 from miles.sample import Sample, SampleStatus
-from miles.trainer.draft_trainer import check_draft_settings, draft_temperature, draft_trainer_config
+from miles.trainer.draft.model_trainer import check_draft_settings, draft_temperature, draft_trainer_config
 from miles.trainer.master_weights import MasterWeights, wants_master_weights
 from miles.trainer.optim import build_optimizer, set_lr
 from miles.trainer.packing import response_loss_mask

@@ -1,0 +1,1 @@
+"""`trainer.backend=deepspeed`: our `CausalLM` under a DeepSpeed ZeRO engine, with its config."""

@@ -1,0 +1,1 @@
+"""`trainer.backend=megatron`: megatron-core's GPTModel, its experts, routers and parallel layouts."""
