@@ -7,7 +7,9 @@ model FLOP utilisation (`train/mfu`, trainer/mfu.py: forward FLOPs x 3 for the b
 bf16 peak), peak device memory (the bench's own copy of the starting weights included), and the first
 update's loss and gradient norm (the backends must agree on those).
 `--layers N` keeps only the first N layers of the preset (a 30B-A3B shape in a fraction of its memory).
-`--profile N` (CUDA) then profiles one more update and lists its N costliest kernels by device time.
+`--profile N` then profiles one more update: its kernels' time by kind of work (GEMM, attention, copies,
+optimizer, ...), its N costliest kernels and the N costliest operators with their input shapes
+(miles/bench/update_profile.py; on CPU the operators' own time).
 `--backend deepspeed` trains under a DeepSpeed ZeRO engine (`--zero-stage`, `--offload-optimizer cpu`,
 `--offload-param cpu`); a backend that runs out of device memory is reported as such (with the memory it
 reached), and the process's peak host memory is reported too (the offloaded optimizer lives there).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import time
@@ -38,6 +41,7 @@ from miles.bench.train_ranks import (
     launch_ranks,
     rank_entry,
 )
+from miles.bench.update_profile import print_profile, profile_update
 from miles.config import AlgorithmConfig, TrainerConfig
 from miles.distributed import SINGLE, DataParallel, init_data_parallel, needs_launch, shutdown
 from miles.errors import MilesUserError
@@ -109,7 +113,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="after timing, profile one more update per backend and print its N costliest kernels (CUDA)",
+        help="after timing, profile one more update per backend: time by kind of work, its N costliest "
+        "kernels (CUDA) and operators with input shapes",
     )
     return p.parse_args(argv)
 
@@ -223,7 +228,10 @@ def _bench(
         mfu.append(metrics.get("train/mfu"))
     times = dp.all_reduce_floats(times, "max")  # an update lasts as long as its slowest rank's
     seconds = sorted(times)[len(times) // 2]
-    kernels = _profile(trainer, samples, a.profile) if a.profile and on_cuda else None
+    kernels = None
+    if a.profile:
+        update = functools.partial(trainer.train_step, copy.deepcopy(samples))
+        kernels = profile_update(update, a.profile, model.device)
     tokens = metrics["train/tokens"]  # every rank's (the trainer's metrics are the whole batch's)
     result = {
         "backend": backend,
@@ -251,24 +259,6 @@ def _peak_host_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _profile(trainer: PolicyTrainer, samples: list[Sample], top: int) -> dict[str, Any]:
-    """Device time of one update by kernel: the total, and the `top` costliest kernels with their calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        trainer.train_step(copy.deepcopy(samples))
-        torch.cuda.synchronize()
-    device = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    device.sort(key=lambda e: -e.self_device_time_total)
-    return {
-        "device_ms": sum(e.self_device_time_total for e in device) / 1e3,
-        "kernels": [
-            {"ms": e.self_device_time_total / 1e3, "calls": e.count, "name": e.key[:100]}
-            for e in device[:top]
-        ],
-    }
 
 
 def main(argv: list[str]) -> int:
@@ -379,10 +369,7 @@ def print_report(report: dict[str, Any]) -> None:
         )
     for r in report["results"]:
         if "top_kernels" in r:
-            print(f"\n{r['backend']}: {r['top_kernels']['device_ms']:.1f} ms of kernels in one update")
-            print("| ms | calls | kernel |\n|---|---|---|")
-            for k in r["top_kernels"]["kernels"]:
-                print(f"| {k['ms']:.1f} | {k['calls']} | `{k['name']}` |")
+            print_profile(r["backend"], r["top_kernels"], report["device"] != "cpu")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from miles.bench import train as bench_train
+from miles.bench.update_profile import classify
 from miles.errors import MilesUserError
 
 
@@ -90,6 +91,62 @@ def test_an_unknown_backend_is_refused() -> None:
 def test_profile_lists_the_costliest_kernels_on_cuda(capsys) -> None:
     assert torch.cuda.is_available()
     report = _run(capsys, "--arch", "qwen3", "--backend", "torch", "--profile", "3")
-    kernels = report["results"][0]["top_kernels"]
-    assert kernels["device_ms"] > 0 and len(kernels["kernels"]) == 3
-    assert kernels["kernels"][0]["ms"] >= kernels["kernels"][-1]["ms"]
+    view = report["results"][0]["top_kernels"]
+    assert view["device_ms"] > 0 and len(view["kernels"]) == 3
+    assert view["kernels"][0]["ms"] >= view["kernels"][-1]["ms"]
+    assert view["classes"]["gemm"] > 0 and view["device_ms"] == pytest.approx(sum(view["classes"].values()))
+    assert view["ops"] and view["ops"][0]["op"].startswith("aten::")
+
+
+def test_profile_on_cpu_sums_the_operators_by_kind_and_names_their_shapes(capsys) -> None:
+    report = _run(
+        capsys,
+        "--arch",
+        "qwen3_moe",
+        "--backend",
+        "megatron",
+        "--precision",
+        "fp32",
+        "--device",
+        "cpu",
+        "--profile",
+        "4",
+    )
+    out = capsys.readouterr().out  # _run consumed the table; the JSON holds the views
+    view = report["results"][0]["top_kernels"]
+    assert view["kernels"] == []  # no device kernels on CPU
+    assert view["device_ms"] == pytest.approx(sum(view["classes"].values())) and view["classes"]["gemm"] > 0
+    assert len(view["ops"]) == 4 and view["ops"][0]["ms"] >= view["ops"][-1]["ms"]
+    assert all(op["op"].startswith("aten::") for op in view["ops"])
+    assert any(op["shapes"].startswith("[[") for op in view["ops"])  # the GEMMs' operands at least
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("nvjet_sm90_tst_256x152_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+        (
+            "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, cutlass",
+            "attention",
+        ),
+        (
+            "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorB",
+            "copy",
+        ),
+        (
+            "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3",
+            "elementwise",
+        ),
+        (
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace):",
+            "optimizer",
+        ),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float", "softmax"),
+        ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_vectorized<at::native::", "copy"),
+        ("aten::_grouped_mm", "gemm"),
+        ("aten::index_add_", "copy"),
+    ],
+)
+def test_kernels_are_classified_by_the_work_they_do(name: str, kind: str) -> None:
+    assert classify(name) == kind
