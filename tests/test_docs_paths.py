@@ -1,6 +1,7 @@
 """The user docs (README.md, docs/*.md) name only things that exist: every repository path they give (in
-backticks, links or plain text), every bare file name, every `python -m` module and every dotted `miles.…`
-name. Files move (the trainer's sub-packages did); this catches the docs that still point at the old place."""
+backticks, links or plain text), every bare file name, every `python -m` module, every dotted `miles.…`
+name and every quoted section of a page. Files move (the trainer's sub-packages did) and sections get
+renamed; this catches the docs that still point at the old place."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 BARE_PY = re.compile(r"(?<![\w./-])(\w+\.py)\b")
 RUN_MODULE = re.compile(r"python -m (miles(?:\.\w+)*)")
 DOTTED = re.compile(r"(?<![\w./-])(miles(?:\.[A-Za-z_]\w*)+)")
+# `docs/benchmarks.md, "Trainer"`: a page and the section the reader should look for.
+SECTION_REF = re.compile(r"((?:docs/)?[\w-]+\.md),?\s+\"([^\"]+)\"")
 # Placeholders a doc writes in a path's place (recipes/NAME.yaml).
 PLACEHOLDERS = {"NAME", "DIR", "FILE"}
 # Files the docs ask the user to write; they are not in the repository.
@@ -100,6 +103,25 @@ def test_every_dotted_miles_name_resolves_to_a_module_or_its_attribute() -> None
         if not (_module(name) or _module(name.rpartition(".")[0]))
     ]
     assert not missing, "dotted names in the docs that resolve to no module:\n" + "\n".join(missing)
+
+
+def test_every_section_the_docs_point_to_exists() -> None:
+    """A quoted section after a page's name opens a heading, a bold lead or a line of that page."""
+    refs = []
+    for doc in DOCS:
+        for page, section in SECTION_REF.findall(doc.read_text()):
+            target = REPO / page if page.startswith("docs/") or page == "README.md" else REPO / "docs" / page
+            refs.append((doc, page, " ".join(section.split()), target))
+    assert len(refs) > 10, f"only {len(refs)} section references found"
+    missing = []
+    for doc, page, section, target in refs:
+        lines = (
+            [" ".join(line.split()) for line in target.read_text().splitlines()] if target.exists() else []
+        )
+        starts = [re.sub(r"^(#+ |\*\*)", "", line) for line in lines]
+        if not any(start.startswith(section) for start in starts):
+            missing.append(f'{doc.relative_to(REPO)}: {page}, "{section}"')
+    assert not missing, "sections the docs point to that their page lacks:\n" + "\n".join(missing)
 
 
 def _module(name: str) -> bool:
