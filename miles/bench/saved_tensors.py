@@ -27,6 +27,7 @@ import traceback
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,6 +106,19 @@ class SavedTensorAudit:
                 handle.remove()
 
 
+_REPOSITORY = Path(__file__).resolve().parents[2].as_posix() + "/"
+
+
+def _short_path(name: str) -> str:
+    """A repository path for this project's files (`trainer/megatron/experts.py`), `megatron/...` for
+    megatron-core's."""
+    if name.startswith(_REPOSITORY):
+        return name[len(_REPOSITORY) :]
+    if "/megatron/" in name:
+        return "megatron/" + name.split("/megatron/", 1)[1]
+    return "/".join(name.split("/")[-2:])
+
+
 def _origin() -> str:
     """The innermost frame of miles or megatron that saved the tensor: `file:line function`."""
     for frame in reversed(traceback.extract_stack()):
@@ -113,8 +127,7 @@ def _origin() -> str:
             continue
         if name.endswith("miles/models/attention.py"):  # the varlen core attention's CPU path
             return "attention core (CPU path)"
-        short = "/".join(name.split("/")[-2:])
-        return f"{short}:{frame.lineno} {frame.name}"
+        return f"{_short_path(name)}:{frame.lineno} {frame.name}"
     return "unknown"
 
 
