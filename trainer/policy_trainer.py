@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,9 @@ class PolicyTrainer:
         self._schedule_calls: int | None = None
         """Calls the schedule is sized for from where it stands (`resize_schedule`); None: cfg.max_steps."""
         self.optimizer_steps_done = 0
+        self.before_update: list[Callable[[], None]] = []
+        """Called once every micro-batch's gradient is in, before the clip and the optimizer step (a probe
+        reading the gradients, e.g. miles/bench/memory_parts.py)."""
         # bf16 weights compute in bf16 with or without autocast
         compute = "bf16" if cfg.precision == "bf16" or model.dtype == torch.bfloat16 else "fp32"
         self.peak_flops = device_peak_flops(self.device, compute, cfg.peak_flops)
@@ -499,6 +503,8 @@ class PolicyTrainer:
         # One host sync for all the sums (an .item() each would wait once per metric).
         values = torch.stack(list(sums.values())).tolist() if sums else []
         metrics = self._sum_over_ranks(dict(zip(sums, values)))
+        for hook in self.before_update:
+            hook()
         metrics.update(self._apply_update(skip=normalizer.num_tokens == 0))
         return metrics
 

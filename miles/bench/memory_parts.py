@@ -40,13 +40,10 @@ class GradientProbe:
 
     def __init__(self, trainer: Any) -> None:
         self.most = 0
-        inner = trainer._apply_update
+        trainer.before_update.append(lambda: self._read(trainer))
 
-        def probed(skip: bool) -> dict[str, float]:
-            self.most = max(self.most, gradient_bytes(trainer))
-            return inner(skip)
-
-        trainer._apply_update = probed
+    def _read(self, trainer: Any) -> None:
+        self.most = max(self.most, gradient_bytes(trainer))
 
 
 def largest_micro_batch_tokens(samples: list[Sample], micro_batch_tokens: int) -> int:
