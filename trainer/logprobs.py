@@ -94,7 +94,7 @@ def packed_logprobs(
 
 _CHUNK_BYTES = {"cuda": 512 * 1024 * 1024, "cpu": 256 * 1024 * 1024}
 """float32 logits of one chunk: [rows, vocab] of about this size (1 chunk for small vocabularies); a chunk's
-forward and backward hold ~3 such buffers at once. Larger on CUDA, where ~900-row LM-head GEMMs at a 152k
+forward and backward hold at most 2 such buffers at once. Larger on CUDA, where ~900-row LM-head GEMMs at a 152k
 vocabulary run the logprobs ~1.3x faster than 440-row ones (1,800 rows: another ~10 %)."""
 
 
@@ -154,10 +154,11 @@ def chunked_logprobs(
 def _chunk_stats(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log q [rows, vocab] float32, log q[target] [rows]) of one chunk."""
+    """(log q [rows, vocab] float32, log q[target] [rows]) of one chunk; the logits and log q are the only
+    [rows, vocab] float32 buffers, and the logits are freed on return."""
     logits = F.linear(hidden, weight).float()
-    if temperature != 1.0:  # divided, as the engine's sampler does, so both round alike
-        logits = logits / temperature
+    if temperature != 1.0:  # divided, as the engine's sampler does, so both round alike (in place: same bits)
+        logits.div_(temperature)
     log_q = F.log_softmax(logits, dim=-1)
     return log_q, log_q.gather(-1, targets[:, None]).squeeze(-1)
 
@@ -181,9 +182,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, rows):
             log_q, picked = _chunk_stats(hidden[s : s + rows], w, targets[s : s + rows], temperature)
             logprobs[s : s + rows] = picked
-            if with_entropy:
-                entropy[s : s + rows] = -(log_q.exp() * log_q).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets)
+            if with_entropy:  # q * log q written over q: the same products, one buffer fewer
+                entropy[s : s + rows] = -log_q.exp().mul_(log_q).sum(-1)
+            del log_q  # before the next chunk's logits exist
+        # the backward's entropy term reads these values (its recomputed chunk rounds alike) instead of
+        # summing q * log q into a third [rows, vocab] buffer
+        saved_entropy = entropy.clone() if entropy_grad else entropy.new_empty(0)
+        ctx.save_for_backward(hidden, weight, targets, saved_entropy)
         ctx.temperature, ctx.rows, ctx.entropy_grad = temperature, rows, entropy_grad
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -195,7 +200,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_logprobs: torch.Tensor,
         grad_entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, targets = ctx.saved_tensors  # type: ignore[attr-defined]
+        hidden, weight, targets, entropy = ctx.saved_tensors  # type: ignore[attr-defined]
         temperature, rows = ctx.temperature, ctx.rows  # type: ignore[attr-defined]
         use_entropy = ctx.entropy_grad and grad_entropy is not None  # type: ignore[attr-defined]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -208,14 +213,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
             log_q, _ = _chunk_stats(h, w, targets[s : s + rows], temperature)
             q = log_q.exp()
             g = grad_logprobs[s : s + rows]
-            ent = -(q * log_q).sum(-1) if use_entropy else None
+            ent = entropy[s : s + rows] if use_entropy else None
             grad_ent = grad_entropy[s : s + rows] if use_entropy else None  # type: ignore[index]
             grad = logit_gradient(log_q, q, g, targets[s : s + rows], g, ent, grad_ent, temperature)
-            del log_q
+            del log_q, q  # grad is q's buffer
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad @ w
             if grad_weight is not None:
                 grad_weight += (grad.t() @ h).float()
+            del grad  # before the next chunk's logits exist
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_w, None, None, None, None, None

@@ -122,8 +122,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             maxima[s : s + rows] = top
             log_sums[s : s + rows] = log_sum
             if with_entropy:  # H = log Z - sum_v p_v z_v = log sum - sum_v p_v (z_v - max)
-                p_z = _all_reduce((exp * shifted).sum(dim=-1) / total, group)
+                # p (z - max) written over exp: the same products, one [rows, vocab] buffer fewer
+                p_z = _all_reduce(exp.mul_(shifted).sum(dim=-1) / total, group)
                 entropy[s : s + rows] = log_sum - p_z
+            del z, shifted, exp  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, targets, maxima, log_sums, entropy)
         ctx.group, ctx.temperature, ctx.rows, ctx.entropy_grad = group, temperature, rows, entropy_grad
         ctx.vocab_size = vocab_size
@@ -174,6 +176,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 grad_hidden[s : s + rows] = grad @ w
             if grad_weight is not None:
                 grad_weight += (grad.t() @ h).float()
+            del q, grad  # before the next chunk's logits exist
         if grad_hidden is not None:
             grad_hidden = _all_reduce(grad_hidden, group).to(hidden.dtype)
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None

@@ -68,8 +68,15 @@ class _LiveVocabTensors(TorchDispatchMode):
 
 
 def measure(
-    rows: int, vocab: int, hidden: int, rows_per_chunk: int | None = None, seed: int = 0
+    rows: int,
+    vocab: int,
+    hidden: int,
+    rows_per_chunk: int | None = None,
+    seed: int = 0,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
 ) -> VocabPeak:
+    """With `with_entropy` the entropy is returned and differentiated too (`entropy_grad`)."""
     gen = torch.Generator().manual_seed(seed)
     h = (torch.randn(rows, hidden, generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(vocab, hidden, generator=gen) * 0.02).requires_grad_()
@@ -77,8 +84,11 @@ def measure(
     chunk = rows_per_chunk or chunk_rows(vocab)
     tracker = _LiveVocabTensors(vocab)
     with tracker:
-        logprobs, _ = chunked_logprobs(h, w, targets, rows_per_chunk=chunk)
-        logprobs.sum().backward()
+        logprobs, entropy = chunked_logprobs(
+            h, w, targets, temperature, with_entropy, with_entropy, rows_per_chunk=chunk
+        )
+        loss = logprobs.sum() + (entropy.sum() if entropy is not None else 0.0)
+        loss.backward()
     return VocabPeak(peak_bytes=tracker.peak, chunk_rows=min(chunk, rows), vocab=vocab)
 
 
