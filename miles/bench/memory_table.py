@@ -149,7 +149,7 @@ def derive(a: Measured, b: Measured, args: ModelArgs) -> PerLayer:
 
 
 def check_layout(args: ModelArgs, layout: Layout) -> None:
-    """The trainer's own layout checks (megatron_parallel.check_parallel_sizes), naming this tool's flags."""
+    """The trainer's own layout checks (trainer/megatron/parallel.py, check_parallel_sizes), naming this tool's flags."""
     from miles.trainer.megatron.parallel import ParallelSizes, check_parallel_sizes
 
     if layout.gpus < 1:

@@ -37,7 +37,7 @@ def as_flags(message: str) -> str:
 
 
 def check_sizes(a: argparse.Namespace, args: ModelArgs, backends: list[str]) -> None:
-    """The trainer's start-up checks of the layout (config/validate.py, megatron_parallel.py), naming flags."""
+    """The trainer's start-up checks of the layout (config/validate.py, trainer/megatron/parallel.py), naming flags."""
     from miles.config.validate import check_expert_parallel_config
     from miles.trainer.backends import check_tensor_parallel
 
@@ -69,7 +69,7 @@ def check_sizes(a: argparse.Namespace, args: ModelArgs, backends: list[str]) -> 
 
 def hide_gpus_from_cpu_ranks(a: argparse.Namespace) -> None:
     """CPU ranks see no GPU: megatron's collectives allocate on the current GPU in a process that has one
-    (megatron_parallel.install_cpu_collectives). Runs before anything asks CUDA for its devices."""
+    (install_cpu_collectives in trainer/megatron/parallel.py). Runs before anything asks CUDA for its devices."""
     if a.device == "cpu" and (LAUNCHED_ENV in os.environ or world_from_env() > 1):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
