@@ -10,6 +10,9 @@ When every bucket is sliced over all the ranks (data parallelism alone) the keys
 data-parallel size reads, on each rank, the saved slices that overlap its new one. A model split by tensor or
 expert parallelism keys its slices by process (`.world<r>`) and resumes on the same process count and
 parallel sizes only (refused otherwise, with what to do).
+
+Loading never unpickles arbitrary objects: DCP's `.metadata` is read by `miles.rl.vetted_reader` (an
+allow-list of DCP's own metadata classes), the tensors by DCP with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -114,7 +117,10 @@ def load_optimizer_shards(
                 copies.append((tensor, key, lo - rank * saved_shard, lo - begin, hi - lo))
         steps_key = f"bucket{index}.steps.{'rank0' if reshardable else f'world{world.rank}'}"
         wanted[steps_key] = torch.empty(len(bucket.segments), dtype=torch.float64)
-    dcp.load(wanted, checkpoint_id=str(path), process_group=world.group, no_dist=not world.enabled)
+    from miles.rl.vetted_reader import VettedMetadataReader
+
+    reader = VettedMetadataReader(path)  # .metadata through the restricted unpickler, never plain pickle
+    dcp.load(wanted, storage_reader=reader, process_group=world.group, no_dist=not world.enabled)
     with torch.no_grad():
         for tensor, key, src, dst, count in copies:
             tensor[dst : dst + count].copy_(wanted[key][src : src + count])

@@ -27,6 +27,7 @@ from miles.distributed import SINGLE, DataParallel
 from miles.errors import MilesUserError
 from miles.models import CausalLM
 from miles.trainer.deepspeed.config import check_deepspeed_settings, deepspeed_config
+from miles.trainer.deepspeed.safe_loading import check_loadable, restrict_checkpoint_loading
 from miles.trainer.logprobs import TokenLogprobs, packed_logprobs
 from miles.trainer.optim import build_optimizer, set_lr
 from miles.trainer.packing import MicroBatch, pack
@@ -101,6 +102,7 @@ class DeepSpeedPolicy(nn.Module):
         engine, _, _, _ = deepspeed.initialize(
             model=self.wrapped, optimizer=optimizer, config=config, dist_init_required=False
         )
+        restrict_checkpoint_loading(engine)  # shard files load weights-only, never as arbitrary pickles
         self.__dict__["engine"] = engine
         self.zero_stage = cfg.zero_stage
         if cfg.zero_stage == 3:  # used outside their modules' forward: gathered for the whole engine forward
@@ -268,12 +270,14 @@ class ZeroStep:
         self.dp.barrier()
 
     def load(self, folder: Path) -> None:
-        """The weights, float32 masters and optimizer shards `save` wrote (a collective)."""
+        """The weights, float32 masters and optimizer shards `save` wrote (a collective), each file read
+        weights-only (`safe_loading`): a file holding anything else is refused with a `MilesUserError`."""
         if not (folder / "state").is_dir():
             raise MilesUserError(
                 f"{folder} holds no DeepSpeed state (state/): the checkpoint was not written by a run with "
                 "trainer.backend=deepspeed; resume it with the backend that wrote it"
             )
+        check_loadable(self.engine, folder / "state")
         path, _ = self.engine.load_checkpoint(
             str(folder), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
         )
