@@ -90,3 +90,22 @@ def test_deepspeed_resume_loads_its_state_and_refuses_a_crafted_shard(tmp_path: 
     for refused in (report["refused"], report["engine_refused"]):
         assert "may be malicious" in refused and "optim_states.pt" in refused
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_wrapped_checkpoint_engine_saves_as_deepspeeds_and_loads_restricted(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from miles.trainer.deepspeed.safe_loading import SafeLoadingCheckpointEngine, check_loadable
+
+    saved = []
+    unrestricted = lambda *a, **k: pytest.fail("DeepSpeed's own (unrestricted) load ran")  # noqa: E731
+    inner = SimpleNamespace(save=lambda sd, path: saved.append(path), load=unrestricted)
+    wrapped = SafeLoadingCheckpointEngine(inner)
+    wrapped.save({}, "x.pt")
+    assert saved == ["x.pt"]  # saving stays DeepSpeed's own
+    torch.save({"step": torch.tensor([3])}, tmp_path / "plain.pt")
+    assert wrapped.load(str(tmp_path / "plain.pt"))["step"].tolist() == [3]
+
+    universal = SimpleNamespace(load_universal_checkpoint=lambda: True)
+    with pytest.raises(MilesUserError, match="load_universal"):
+        check_loadable(universal, tmp_path)

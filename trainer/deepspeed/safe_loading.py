@@ -41,5 +41,6 @@ def check_loadable(engine: Any, state: Path) -> None:
     if engine.load_universal_checkpoint():
         raise MilesUserError(
             "trainer.deepspeed_extra turns on DeepSpeed's universal checkpoint loading, which unpickles its "
-            "files without restriction; miles does not resume that way: drop checkpoint.load_universal"
+            "files without restriction; miles does not resume that way: drop "
+            "trainer.deepspeed_extra.checkpoint.load_universal"
         )
