@@ -14,6 +14,7 @@ from torch import nn
 
 from miles.models import fused, fused_moe
 from miles.models.args import ModelArgs
+from miles.models.routed_experts import ExpertRows, routed_experts
 
 
 @dataclass
@@ -137,6 +138,10 @@ class Experts(nn.Module):
         )
         sorted_ids, order = torch.sort(narrow, stable=True)
         token_of = order // k
+        if self._records_gradients(x, weights):
+            grouped, dtype = self._training_gemms(x)
+            rows = ExpertRows(token_of, order, self._counts(flat_expert), grouped)
+            return routed_experts(x, weights, self.gate_up_proj, self.down_proj, rows, dtype)
         if torch.is_grad_enabled() and x.requires_grad:
             # Indexing's backward sums each token's k copies in a fixed order; index_select's uses atomics.
             sorted_x = x[token_of]
@@ -191,6 +196,25 @@ class Experts(nn.Module):
             and not torch.is_grad_enabled()  # any parameter may want a gradient
             and num_pairs <= FUSED_MAX_PAIRS_PER_EXPERT * self.num_experts
         )
+
+    def _records_gradients(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        """Whether this forward is a training forward: autograd records it and something wants a gradient
+        (then `routed_experts` runs it, keeping less for backward than the ops below would)."""
+        if not torch.is_grad_enabled() or self.batch_invariant_block:
+            return False
+        return any(t.requires_grad for t in (x, weights, self.gate_up_proj, self.down_proj))
+
+    def _training_gemms(self, x: torch.Tensor) -> tuple[bool, torch.dtype]:
+        """(grouped GEMMs or one per expert, their dtype) for a training forward: the grouped GEMMs on CUDA in
+        bf16 (`_autocast_grouped_dtype`, `_groupable`), else a linear per expert in the dtype autocast gives it."""
+        if (dtype := self._autocast_grouped_dtype(x)) is not None:
+            return True, dtype
+        if self._groupable(x):
+            return True, x.dtype
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.dtype != torch.float64:
+            return False, torch.get_autocast_dtype(device)
+        return False, x.dtype
 
     def _groupable(self, x: torch.Tensor) -> bool:
         """Whether `_grouped` runs here: bf16 on CUDA; on CPU float32/bf16/fp16 without autograd (the engine's
