@@ -91,7 +91,9 @@ def load_dcp_metadata(path: Path) -> Any:
     with open(path, "rb") as file:
         try:
             metadata = _MetadataUnpickler(file, path).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
+        except MilesUserError:
+            raise
+        except Exception as err:  # truncated, or allowed classes given arguments they reject
             raise MilesUserError(
                 f"{path} is not a torch.distributed.checkpoint metadata file miles can read ({err}); the "
                 "checkpoint is damaged or was not written by miles"
