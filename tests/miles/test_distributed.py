@@ -165,6 +165,7 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one_and_resume(tmp_path: Path) -> None:
     """`placement.num_processes=2` on CPU: each rank generates half of the groups, and the first step's
     samples, rewards and update are one process's (deterministic mode: a request draws the same whatever

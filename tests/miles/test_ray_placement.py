@@ -38,6 +38,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return _records(tmp / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, transport",
     [
@@ -95,6 +96,7 @@ TWO_TURNS = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [[], ["placement.colocate=false", "placement.num_engines=2"]],
@@ -213,6 +215,7 @@ def _kill_rank_after_step_1(run_dir: Path) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_one_step_off_then_sigterm_saves_and_a_resume_finishes(tmp_path: Path, cluster: object) -> None:
     from miles.run import run
 

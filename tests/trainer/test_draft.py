@@ -165,6 +165,7 @@ def test_draft_training_settings_are_checked() -> None:
             check_draft_training(replace(cfg, rollout=rollout))
 
 
+@pytest.mark.slow
 def test_a_run_checkpoints_its_trained_draft_and_resumes_it(tmp_path: Path) -> None:
     """`miles train` with spec_draft_train logs draft/* metrics, writes the draft into each checkpoint
     (`step_N/draft/`, loadable as `rollout.spec_draft_model`), and a run resumed from step 1 trains the same

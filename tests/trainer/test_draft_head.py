@@ -126,6 +126,7 @@ def test_a_bf16_head_trains_through_float32_masters() -> None:
         assert torch.equal(param, master.to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_a_run_trains_checkpoints_and_resumes_its_head(tmp_path: Path) -> None:
     """`miles train` with a head trained online logs the draft metrics, writes the head into each checkpoint
     (`step_N/draft_head/`, loadable as rollout.spec_head) with its optimizer state, and a run resumed from

@@ -162,6 +162,7 @@ def test_float32_models_have_no_masters_and_float16_is_refused() -> None:
         make_trainer(tiny_model().to(torch.float16))
 
 
+@pytest.mark.slow
 def test_grpo_math_in_bf16_resumes_bit_for_bit(tmp_path: Path) -> None:
     """The loop with `model.dtype=bfloat16` (engine and trainer on the same bf16 module, float32 masters in
     the optimizer): checksums hold, and a run resumed from its step-1 checkpoint repeats step 2 exactly."""
