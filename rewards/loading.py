@@ -26,7 +26,7 @@ BUILTINS: dict[str, str] = {
     "code": "miles.rewards.code_reward:code_reward",
     "judge": "miles.rewards.judge:JudgeReward",
     "remote": "miles.rewards.remote:RemoteReward",
-    "reasoning_gym": "miles.rewards.reasoning_gym_reward:reasoning_gym_reward",
+    "reasoning_gym": "miles.rewards.reasoning_gym_reward:ReasoningGymReward",
 }
 IN_PROCESS_BUILTINS = frozenset({"judge"})
 """Built-ins that must run in the trainer process (the judge drives an engine object living there)."""

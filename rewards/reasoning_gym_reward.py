@@ -44,3 +44,15 @@ def reasoning_gym_reward(sample: Sample, **_: Any) -> dict[str, Any]:
     answer = extract_final(sample.response_text, numeric=_is_number(str(sample.label)))
     score = reasoning_gym.get_score_answer_fn(task)(answer, entry)
     return {"score": float(score), "extracted": answer}
+
+
+class ReasoningGymReward:
+    """`reward.fn=reasoning_gym` as a worker builds it: reasoning-gym and what it imports (seconds on a busy
+    machine) load when the worker builds the reward, under the pool's bind timeout, rather than inside the
+    first sample's `reward.timeout_s`, where a slow import would score that sample 0 as a timeout."""
+
+    def __init__(self, **_: Any) -> None:
+        import reasoning_gym  # noqa: F401
+
+    def __call__(self, sample: Sample) -> dict[str, Any]:
+        return reasoning_gym_reward(sample)

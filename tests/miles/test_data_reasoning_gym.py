@@ -67,3 +67,22 @@ def test_a_numeric_answer_is_read_from_the_last_line_when_untagged() -> None:
     assert score(f"The sum is {int(row.label) + 1}.") < 1.0
     assert score(f"{row.label} is wrong\n#### {int(row.label) + 1}") < 1.0  # `####` wins over the last line
     assert score("I cannot say.") < 1.0
+
+
+def test_the_registered_reward_is_built_in_the_worker_and_scores_there() -> None:
+    """`reward.fn=reasoning_gym` builds a class in each worker, so reasoning-gym's import runs under the
+    pool's bind timeout instead of the first sample's reward.timeout_s."""
+    from miles.config import RewardConfig
+    from miles.rewards.loading import BUILTINS, load_target
+    from miles.rewards.reasoning_gym_reward import ReasoningGymReward
+    from miles.rewards.runner import RewardRunner
+
+    assert load_target(BUILTINS["reasoning_gym"]) is ReasoningGymReward
+    row = load_rows(DataConfig(source="reasoning_gym:chain_sum", train_size=1, test_size=1))[0][0]
+    samples = [
+        Sample(prompt=row.prompt, label=row.label, metadata=row.metadata, response_text=text)
+        for text in (f"#### {row.label}", f"#### {int(row.label) + 1}")
+    ]
+    with RewardRunner(RewardConfig(fn="reasoning_gym", num_workers=1)) as runner:
+        metrics = runner.score(samples)
+    assert [s.reward for s in samples] == [1.0, 0.0] and metrics["reward/errors"] == 0.0
