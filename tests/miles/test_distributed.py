@@ -183,6 +183,7 @@ def test_two_processes_train_as_one_and_resume(tmp_path: Path) -> None:
         "rollout.n_samples_per_prompt=4",
         "trainer.global_batch_size=8",  # two optimizer steps a rollout: their samples must be one process's
         "rollout.deterministic=true",
+        "data.train_size=64",  # not the recipe's 20000 to tokenise
     ]
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     out = run_miles(tmp_path, *common, run_dir=one)

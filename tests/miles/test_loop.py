@@ -88,6 +88,7 @@ def test_scoring_during_rollout_changes_no_score(tmp_path: Path) -> None:
         "trainer.eval_every=0",
         "rollout.rollout_batch_size=4",
         "reward.num_workers=2",
+        "data.train_size=64",  # not the recipe's 20000 to tokenise
     ]
     runs = {}
     for early in ("true", "false"):
@@ -176,6 +177,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path: Path) -> None:
         "rollout.n_samples_per_prompt=4",
         "trainer.global_batch_size=8",  # two optimizer steps a rollout: the schedule position matters
         "trainer.optim.schedule=cosine",
+        "data.train_size=64",  # not the recipe's 20000 to tokenise
     ]
     runs = tmp_path / "outputs" / "grpo_math"
     whole, resumed = runs / "whole", runs / "resumed"
@@ -246,6 +248,7 @@ def test_a_run_resumed_into_its_own_folder_logs_each_step_once(tmp_path: Path) -
         "rollout.rollout_batch_size=2",
         "rollout.n_samples_per_prompt=2",
         "trainer.global_batch_size=4",
+        "data.train_size=64",  # not the recipe's 20000 to tokenise
     ]
 
     def rows(name: str) -> list[dict]:
@@ -546,6 +549,7 @@ def test_a_sync_checksum_mismatch_is_synced_again_then_stops_the_run(
         "trainer.global_batch_size=4",
         "reward.fn=flaky_sync:reward",
         "reward.num_workers=0",
+        "data.train_size=64",  # not the recipe's 20000 to tokenise
     )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     if mismatches == "1":

@@ -25,6 +25,7 @@ from tests.support.cli import run_miles
 
 SHORT = [
     "recipe=grpo_math",
+    "data.train_size=64",  # not the recipe's 20000 to tokenise
     "trainer.eval_every=0",
     "rollout.rollout_batch_size=2",
     "rollout.n_samples_per_prompt=4",

@@ -24,6 +24,7 @@ from tests.trainer.test_draft import _config, train_between_generations
 
 _RUN_WITH_HEAD_TRAINING = [
     "recipe=grpo_math",
+    "data.train_size=64",  # not the recipe's 20000 to tokenise
     "trainer.eval_every=0",
     "rollout.rollout_batch_size=4",
     "rollout.n_samples_per_prompt=4",
