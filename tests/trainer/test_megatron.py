@@ -210,8 +210,10 @@ def test_megatron_update_equals_the_torch_backends(case: dict) -> None:
         assert megatron_metrics[key] == pytest.approx(torch_metrics[key], rel=1e-4, abs=1e-6), key
     trained = dict(ours.named_parameters())
     # AdamW's first steps move every weight by ~lr whatever the gradient's size, so float rounding in
-    # small gradients shows up more after several steps
-    tolerance = 1e-5 if case["global_batch_size"] == 12 else 5e-4
+    # small gradients shows up, more after several steps. The torch backend's experts scale by the routing
+    # weight after the down projection's backward GEMM, megatron's before it (miles/models/routed_experts.py):
+    # one rounding apart, ~1e-5 of the weights after one step.
+    tolerance = 2e-5 if case["global_batch_size"] == 12 else 5e-4
     for name, tensor in policy.engine_weights():
         assert relative_error(tensor, trained[name]) <= tolerance, name
     # The optimizer state is keyed by megatron's names and loads back (resume).
