@@ -304,6 +304,22 @@ def load_eval_rows(cfg: DataConfig) -> list[PromptRow]:
     return load_rows(cfg)[1]
 
 
+def fewshot_turns(examples: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`data.fewshot` as chat turns: a user message and the assistant's answer per example."""
+    turns = []
+    for i, example in enumerate(examples):
+        if set(example) != {"user", "assistant"}:
+            raise MilesUserError(
+                f"data.fewshot[{i}] has keys {sorted(example)}: each example is {{user: <question>, "
+                "assistant: <worked answer>}"
+            )
+        turns += [
+            {"role": "user", "content": str(example["user"])},
+            {"role": "assistant", "content": str(example["assistant"])},
+        ]
+    return turns
+
+
 class PromptFormatter:
     """Turns a prompt (text or chat messages) into token ids: a configured template, else the chat template."""
 
@@ -315,6 +331,9 @@ class PromptFormatter:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.cfg.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
+        if self.cfg.fewshot:
+            system = 1 if messages[0].get("role") == "system" else 0
+            messages[system:system] = fewshot_turns(self.cfg.fewshot)
         return messages
 
     def text(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:

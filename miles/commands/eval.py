@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from miles.config import DataConfig, RewardConfig, RolloutConfig
 
@@ -36,26 +37,37 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--system-prompt", default=None)
+    parser.add_argument(
+        "--fewshot",
+        default="[]",
+        help="worked examples shown before each prompt, as a recipe's data.fewshot: JSON, e.g. "
+        '\'[{"user": "2 + 3 + 1 =", "assistant": "2 + 3 = 5\\n5 + 1 = 6\\n#### 6"}]\'',
+    )
     args = parser.parse_args(argv)
     if args.data and args.source:
         parser.error("give --data FILE or --source NAME, not both")
     reward = args.reward or ("reasoning_gym" if (args.source or "").startswith("reasoning_gym:") else "math")
 
     from miles.build import set_cpu_threads, stop_ids
-    from miles.data import PromptFormatter, load_eval_rows, to_samples
+    from miles.data import PromptFormatter, fewshot_turns, load_eval_rows, to_samples
+    from miles.errors import MilesUserError
     from miles.evaluate import evaluate
     from miles.model_io import load_model
     from miles.rewards import RewardRunner
     from miles.rollout import Engine
 
+    task_config = _json_arg(parser, "--task-config", args.task_config, dict, '{"min_terms": 3}')
+    fewshot = _json_arg(parser, "--fewshot", args.fewshot, list, '[{"user": "...", "assistant": "..."}]')
     try:
-        task_config = json.loads(args.task_config)
-    except json.JSONDecodeError as e:
-        parser.error(f"--task-config is not JSON ({e}); write it as '{{\"min_terms\": 3}}'")
-    if not isinstance(task_config, dict):
-        parser.error("--task-config must be a JSON object, e.g. '{\"min_terms\": 3}'")
+        fewshot_turns(fewshot)
+    except MilesUserError as e:
+        parser.error(f"--fewshot: {e}")
     data_cfg = DataConfig(
-        test_size=args.num, train_size=0, system_prompt=args.system_prompt, task_config=task_config
+        test_size=args.num,
+        train_size=0,
+        system_prompt=args.system_prompt,
+        task_config=task_config,
+        fewshot=fewshot,
     )
     if args.source:
         data_cfg.source = args.source
@@ -73,3 +85,13 @@ def main(argv: list[str]) -> int:
     metrics["eval/dropped_prompts"] = float(dropped)
     print(json.dumps({"model": args.model, **metrics}))
     return 0
+
+
+def _json_arg(parser: argparse.ArgumentParser, flag: str, text: str, kind: type, example: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        parser.error(f"{flag} is not JSON ({e}); write it as '{example}'")
+    if not isinstance(value, kind):
+        parser.error(f"{flag} must be a JSON {'object' if kind is dict else 'list'}, e.g. '{example}'")
+    return value

@@ -44,6 +44,9 @@ class DataConfig:
     """Python format string with `{prompt}` used instead of the chat template (e.g. '{prompt}\\n')."""
     system_prompt: str | None = None
     """System message prepended when the chat template is used."""
+    fewshot: list[dict[str, str]] = field(default_factory=list)
+    """Worked examples shown before each prompt as earlier chat turns, after the system message:
+    [{user: "7 - 2 + 5 =", assistant: "7 - 2 = 5\n5 + 5 = 10\n#### 10"}, ...]. Chat template only."""
     max_prompt_length: int = 256
     """Prompts longer than this (tokens) are dropped with a counted warning."""
     train_size: int = 20000

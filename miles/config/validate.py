@@ -7,6 +7,7 @@ import math
 
 from miles.config.schema import MilesConfig
 from miles.config.weights_release import check_weights_release
+from miles.data import fewshot_turns
 from miles.distributed import world_from_env
 from miles.errors import MilesUserError
 from miles.models.checkpoint import DTYPES
@@ -157,6 +158,12 @@ def check_ranges(config: MilesConfig) -> None:
             f"data.task_config sets a reasoning-gym task's generator; data.source={config.data.source!r} takes "
             "none (use data.source=reasoning_gym:<task>, or drop data.task_config)"
         )
+    if config.data.fewshot and config.data.prompt_template is not None:
+        raise MilesUserError(
+            "data.fewshot adds chat turns, which data.prompt_template (plain text) has no place for: drop one "
+            "of them, or write the examples into the template"
+        )
+    fewshot_turns(config.data.fewshot)  # a malformed example fails here, not at the first prompt
 
 
 TRANSPORTS = ("auto", "inprocess", "cuda_ipc", "shm", "broadcast")

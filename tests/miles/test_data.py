@@ -292,3 +292,36 @@ def test_a_json_array_file_and_mixed_columns_still_load(tmp_path: Path) -> None:
     )
     train, _ = load_rows(DataConfig(path=str(lines)))
     assert [r.prompt for r in train] == [[{"role": "user", "content": "hi"}], "b"]
+
+
+def test_fewshot_examples_are_chat_turns_after_the_system_message() -> None:
+    shots = [{"user": "2 + 3 + 1 =", "assistant": "2 + 3 = 5\n5 + 1 = 6\n#### 6"}]
+    formatter = PromptFormatter(WordTokenizer(), DataConfig(system_prompt="Be brief.", fewshot=shots))
+    assert formatter.messages("4 - 1 + 2 =") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2 + 3 + 1 ="},
+        {"role": "assistant", "content": "2 + 3 = 5\n5 + 1 = 6\n#### 6"},
+        {"role": "user", "content": "4 - 1 + 2 ="},
+    ]
+    own_system = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "q"}]
+    assert [m["content"] for m in formatter.messages(own_system)] == [
+        "Mine.",
+        shots[0]["user"],
+        shots[0]["assistant"],
+        "q",
+    ]
+    bare = PromptFormatter(WordTokenizer(), DataConfig(fewshot=shots)).messages("q")
+    assert [m["role"] for m in bare] == ["user", "assistant", "user"]
+
+
+def test_a_malformed_fewshot_example_is_a_user_error_at_start() -> None:
+    from miles.config import MilesConfig
+    from miles.config.validate import validate
+
+    config = MilesConfig()
+    config.data.fewshot = [{"question": "2 + 3 =", "answer": "5"}]
+    with pytest.raises(MilesUserError, match=r"data.fewshot\[0\] has keys \['answer', 'question'\]"):
+        validate(config)
+    config.data.fewshot, config.data.prompt_template = [{"user": "2 + 3 =", "assistant": "5"}], "Q: {prompt}"
+    with pytest.raises(MilesUserError, match="data.fewshot adds chat turns"):
+        validate(config)
