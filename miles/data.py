@@ -326,6 +326,12 @@ class PromptFormatter:
     def __init__(self, tokenizer: Any, cfg: DataConfig, use_chat_template: bool = True) -> None:
         self.tokenizer, self.cfg = tokenizer, cfg
         self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        if cfg.fewshot and not self.use_chat_template:
+            raise MilesUserError(
+                "data.fewshot adds chat turns, and no chat template is in use to put them in (the tokenizer has "
+                "none, or model.chat_template=false): use a chat model, or write the examples into "
+                "data.prompt_template instead"
+            )
 
     def messages(self, prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -294,9 +294,13 @@ def test_a_json_array_file_and_mixed_columns_still_load(tmp_path: Path) -> None:
     assert [r.prompt for r in train] == [[{"role": "user", "content": "hi"}], "b"]
 
 
+class ChatTokenizer(WordTokenizer):
+    chat_template = "{{ messages }}"
+
+
 def test_fewshot_examples_are_chat_turns_after_the_system_message() -> None:
     shots = [{"user": "2 + 3 + 1 =", "assistant": "2 + 3 = 5\n5 + 1 = 6\n#### 6"}]
-    formatter = PromptFormatter(WordTokenizer(), DataConfig(system_prompt="Be brief.", fewshot=shots))
+    formatter = PromptFormatter(ChatTokenizer(), DataConfig(system_prompt="Be brief.", fewshot=shots))
     assert formatter.messages("4 - 1 + 2 =") == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "2 + 3 + 1 ="},
@@ -310,8 +314,10 @@ def test_fewshot_examples_are_chat_turns_after_the_system_message() -> None:
         shots[0]["assistant"],
         "q",
     ]
-    bare = PromptFormatter(WordTokenizer(), DataConfig(fewshot=shots)).messages("q")
+    bare = PromptFormatter(ChatTokenizer(), DataConfig(fewshot=shots)).messages("q")
     assert [m["role"] for m in bare] == ["user", "assistant", "user"]
+    with pytest.raises(MilesUserError, match="no chat template"):  # not dropped without a word
+        PromptFormatter(WordTokenizer(), DataConfig(fewshot=shots))
 
 
 def test_a_malformed_fewshot_example_is_a_user_error_at_start() -> None:
