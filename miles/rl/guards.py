@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -51,16 +52,26 @@ class FailedStepGuard:
             )
 
 
+REPEAT_WINDOW_S = 0.5
+"""A signal this soon after the first is the same request: `timeout -s INT` signals the process and then its
+process group, and when Python's handler runs between the two, a second call would stop the run at once,
+without its checkpoint."""
+
+
 class StopRequest:
     """Ctrl-C or SIGTERM asks the run to stop after the step in flight; a second one stops it at once."""
 
     def __init__(self) -> None:
         self.asked = False
+        self.asked_at = 0.0
 
     def _ask(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
         if self.asked:
+            if now - self.asked_at < REPEAT_WINDOW_S:
+                return
             raise KeyboardInterrupt
-        self.asked = True
+        self.asked, self.asked_at = True, now
         log.warning("%s: stopping after this step (again to stop now)", signal.Signals(signum).name)
 
     @contextmanager

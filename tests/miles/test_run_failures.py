@@ -218,3 +218,20 @@ def test_a_save_removes_what_a_cut_short_save_left(tmp_path: Path) -> None:
     (partial / "model.safetensors").write_bytes(b"half")
     save_checkpoint(tiny_model(), None, tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
+
+
+def test_a_signal_repeated_at_once_is_one_stop_request_and_a_later_one_stops_now(monkeypatch) -> None:
+    """`timeout -s INT` signals the run and then its process group: two deliveries of one request. Only a
+    signal after the repeat window is the "again to stop now" one."""
+    from miles.rl import guards
+
+    clock = [100.0]
+    monkeypatch.setattr(guards.time, "monotonic", lambda: clock[0])
+    stop = guards.StopRequest()
+    stop._ask(signal.SIGINT, None)
+    clock[0] += 0.01
+    stop._ask(signal.SIGINT, None)  # the group's copy: still a stop after the step
+    assert stop.asked
+    clock[0] += guards.REPEAT_WINDOW_S
+    with pytest.raises(KeyboardInterrupt):
+        stop._ask(signal.SIGINT, None)
