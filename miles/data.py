@@ -332,14 +332,15 @@ class PromptFormatter:
                 "none, or model.chat_template=false): use a chat model, or write the examples into "
                 "data.prompt_template instead"
             )
+        self.fewshot = fewshot_turns(cfg.fewshot)
 
     def messages(self, prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.cfg.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
-        if self.cfg.fewshot:
+        if self.fewshot:
             system = 1 if messages[0].get("role") == "system" else 0
-            messages[system:system] = fewshot_turns(self.cfg.fewshot)
+            messages[system:system] = self.fewshot
         return messages
 
     def text(self, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:

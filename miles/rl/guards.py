@@ -62,16 +62,19 @@ class StopRequest:
     """Ctrl-C or SIGTERM asks the run to stop after the step in flight; a second one stops it at once."""
 
     def __init__(self) -> None:
-        self.asked = False
-        self.asked_at = 0.0
+        self.asked_at: float | None = None
+
+    @property
+    def asked(self) -> bool:
+        return self.asked_at is not None
 
     def _ask(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if self.asked:
+        if self.asked_at is not None:
             if now - self.asked_at < REPEAT_WINDOW_S:
                 return
             raise KeyboardInterrupt
-        self.asked, self.asked_at = True, now
+        self.asked_at = now
         log.warning("%s: stopping after this step (again to stop now)", signal.Signals(signum).name)
 
     @contextmanager
