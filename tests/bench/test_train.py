@@ -110,15 +110,17 @@ def test_profile_on_cpu_sums_the_operators_by_kind_and_names_their_shapes(capsys
         "--device",
         "cpu",
         "--profile",
-        "4",
+        "500",  # every operator: on a tiny model the top few are noise (scalar copies, allocations)
     )
     out = capsys.readouterr().out  # _run consumed the table; the JSON holds the views
     view = report["results"][0]["top_kernels"]
     assert view["kernels"] == []  # no device kernels on CPU
     assert view["device_ms"] == pytest.approx(sum(view["classes"].values())) and view["classes"]["gemm"] > 0
-    assert len(view["ops"]) == 4 and view["ops"][0]["ms"] >= view["ops"][-1]["ms"]
+    ms = [op["ms"] for op in view["ops"]]
+    assert 0 < len(ms) <= 500 and ms == sorted(ms, reverse=True)
     assert all(op["op"].startswith("aten::") for op in view["ops"])
-    assert any(op["shapes"].startswith("[[") for op in view["ops"])  # the GEMMs' operands at least
+    gemms = [op for op in view["ops"] if op["op"] in ("aten::mm", "aten::addmm", "aten::bmm")]
+    assert gemms and all(op["shapes"].startswith("[[") for op in gemms)  # a GEMM names its operands
     assert out == ""
 
 
