@@ -8,7 +8,7 @@ bf16 peak), peak device memory (the bench's own copy of the starting weights inc
 update's loss and gradient norm (the backends must agree on those).
 `--layers N` keeps only the first N layers of the preset (a 30B-A3B shape in a fraction of its memory).
 `--profile N` then profiles one more update: its kernels' time by kind of work (GEMM, attention, copies,
-optimizer, ...), its N costliest kernels and the N costliest operators with their input shapes
+optimizer, ...), its N costliest kernels and the N costliest operators with their input shapes and callers
 (miles/bench/update_profile.py; on CPU the operators' own time).
 `--backend deepspeed` trains under a DeepSpeed ZeRO engine (`--zero-stage`, `--offload-optimizer cpu`,
 `--offload-param cpu`); a backend that runs out of device memory is reported as such (with the memory it
@@ -114,7 +114,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="after timing, profile one more update per backend: time by kind of work, its N costliest "
-        "kernels (CUDA) and operators with input shapes",
+        "kernels (CUDA) and operators with input shapes and callers",
     )
     return p.parse_args(argv)
 

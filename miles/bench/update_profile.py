@@ -5,8 +5,10 @@ Three views of one profiled update:
 - `classes`: every kernel's time summed by kind of work: `gemm` and `attention` (the FLOPs MFU counts),
   `optimizer` (AdamW's multi-tensor kernels), `copy` (casts, copies, cat, gather/scatter/index), `softmax`,
   `reduce` and `elementwise` (the memory-bound rest), `other`;
-- `ops`: the N costliest aten operators with their input shapes, by the device time of the kernels each
-  launched (CUDA) or by its own CPU time, which names the code behind a copy or an add.
+- `ops`: the N costliest aten operators by name, input shapes and caller, by the device time of the kernels
+  each launched (CUDA) or by its own CPU time. The caller (`where`) is the first Python frame outside torch,
+  or, for an operator that autograd's engine runs (no Python frame), the backward node that ran it
+  (`SplitWithSizesBackward0`): together they name the code behind a copy or an add.
 On CPU the kernels view is empty and `classes` sums the operators' own CPU time by the same kinds.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +55,7 @@ def profile_update(step: Callable[[], None], top: int, device: torch.device) -> 
 
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         step()
         if on_cuda:
             torch.cuda.synchronize()
@@ -79,18 +82,44 @@ def profile_update(step: Callable[[], None], top: int, device: torch.device) -> 
 
 
 def _op_rows(prof: Any, on_cuda: bool) -> list[dict[str, Any]]:
-    """aten operators grouped by name and input shapes, costliest first: device time of their own kernels
-    (CUDA) or their own CPU time."""
-    rows = []
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.device_type != torch.autograd.DeviceType.CPU or not e.key.startswith("aten::"):
+    """aten operators grouped by name, input shapes and caller, costliest first: device time of their own
+    kernels (CUDA) or their own CPU time."""
+    totals: dict[tuple[str, str, str], list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith("aten::"):
             continue
         us = e.self_device_time_total if on_cuda else e.self_cpu_time_total
         if us > 0:
-            shapes = [list(s) for s in (e.input_shapes or []) if s]
-            rows.append({"ms": us / 1e3, "calls": e.count, "op": e.key, "shapes": str(shapes)[:120]})
+            shapes = str([list(s) for s in (e.input_shapes or []) if s])[:120]
+            total = totals.setdefault((e.name, shapes, caller(e)), [0.0, 0])
+            total[0] += us
+            total[1] += 1
+    rows = [
+        {"ms": us / 1e3, "calls": calls, "op": op, "shapes": shapes, "where": where}
+        for (op, shapes, where), (us, calls) in totals.items()
+    ]
     rows.sort(key=lambda r: -r["ms"])
     return rows
+
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2]) + "/"
+
+
+_PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
+
+
+def caller(event: Any) -> str:
+    """Where a profiled operator was called from (`ops` in the module docstring); "" when unknown. The
+    profiler records the Python stack as the operator's ancestors: frames named `file.py(line): function`."""
+    event = event.cpu_parent
+    while event is not None:
+        name = event.name
+        if _PYTHON_FRAME.search(name) and not (name.startswith("torch/") or "/torch/" in name):
+            return name.replace(_REPO_ROOT, "").split("site-packages/", 1)[-1]
+        if name.startswith("autograd::engine::evaluate_function: "):
+            return name.split(": ", 1)[1]
+        event = event.cpu_parent
+    return ""
 
 
 def print_profile(backend: str, view: dict[str, Any], on_cuda: bool) -> None:
@@ -105,6 +134,6 @@ def print_profile(backend: str, view: dict[str, Any], on_cuda: bool) -> None:
         print("\n| ms | calls | kernel |\n|---|---|---|")
         for k in view["kernels"]:
             print(f"| {k['ms']:.1f} | {k['calls']} | `{k['name']}` |")
-    print("\n| ms | calls | operator | input shapes |\n|---|---|---|---|")
+    print("\n| ms | calls | operator | input shapes | where |\n|---|---|---|---|---|")
     for op in view["ops"]:
-        print(f"| {op['ms']:.1f} | {op['calls']} | `{op['op']}` | {op['shapes']} |")
+        print(f"| {op['ms']:.1f} | {op['calls']} | `{op['op']}` | {op['shapes']} | {op['where']} |")

@@ -121,6 +121,11 @@ def test_profile_on_cpu_sums_the_operators_by_kind_and_names_their_shapes(capsys
     assert all(op["op"].startswith("aten::") for op in view["ops"])
     gemms = [op for op in view["ops"] if op["op"] in ("aten::mm", "aten::addmm", "aten::bmm")]
     assert gemms and all(op["shapes"].startswith("[[") for op in gemms)  # a GEMM names its operands
+    # and its caller: a Python frame outside torch (megatron's linear layer, this repository's experts) or,
+    # in the backward, the autograd node that ran it
+    callers = {op["where"] for op in gemms}
+    assert any(c.startswith("megatron/core/") for c in callers)
+    assert any(c.startswith("trainer/megatron/") for c in callers) and "GroupedMmBackward0" in callers
     assert out == ""
 
 
