@@ -86,3 +86,49 @@ def test_the_registered_reward_is_built_in_the_worker_and_scores_there() -> None
     with RewardRunner(RewardConfig(fn="reasoning_gym", num_workers=1)) as runner:
         metrics = runner.score(samples)
     assert [s.reward for s in samples] == [1.0, 0.0] and metrics["reward/errors"] == 0.0
+
+
+def test_step_credit_rewards_the_first_steps_of_a_chain_written_right() -> None:
+    from miles.rewards.reasoning_gym_reward import ReasoningGymReward, chain_steps, steps_written
+
+    steps = chain_steps("7 - 2 + 5 + 1")
+    assert steps == [(7, "-", 2, 5), (5, "+", 5, 10), (10, "+", 1, 11)]
+    assert steps_written("7 - 2 = 5\n5 + 5 = 10\n10 + 1 = 11", steps) == 3
+    assert steps_written("7 - 2 = 5 + 5 = 10 + 1 = 12", steps) == 2  # one line, the last step wrong
+    assert steps_written("5 + 5 = 10\n7 - 2 = 5", steps) == 1  # out of order: only the first counts
+    assert steps_written("17 - 2 = 5\n5 + 5 = 10", steps) == 0  # "17" is not "7"
+    assert steps_written("4 - 7 = -3\n-3 - 7 = -10", chain_steps("4 - 7 - 7")) == 2
+    assert chain_steps("4 - -3 + 2") == [(4, "-", -3, 7), (7, "+", 2, 9)]
+    for other in ("(4 - 3) + 2", "4 * 3 + 2", "1.5 + 2", "5", "4 +"):
+        assert chain_steps(other) is None
+
+    row = load_rows(
+        DataConfig(
+            source="reasoning_gym:chain_sum",
+            train_size=1,
+            test_size=1,
+            task_config={"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1},
+        )
+    )[0][0]
+    first = chain_steps(row.metadata["rg_metadata"]["expression"])[0]
+    one_step = f"{first[0]} {first[1]} {first[2]} = {first[3]}\n#### 1000"
+
+    def score(text: str, credit: float) -> dict:
+        sample = Sample(prompt=row.prompt, label=row.label, metadata=row.metadata, response_text=text)
+        return ReasoningGymReward(step_credit=credit)(sample)
+
+    assert score(one_step, 0.4)["score"] == pytest.approx(0.2) and score(one_step, 0.4)["steps_right"] == 1
+    assert score(one_step, 0.0)["score"] == 0.0 and "steps_right" not in score(one_step, 0.0)
+    assert score(f"#### {row.label}", 0.4)["score"] == 1.0  # a right answer needs no steps
+    with pytest.raises(ValueError, match="step_credit"):
+        ReasoningGymReward(step_credit=0.8)  # would pass eval/accuracy's 0.5 threshold
+
+
+def test_an_unknown_reasoning_gym_reward_kwarg_is_refused() -> None:
+    from miles.rewards.loading import RewardConfigError, describe
+
+    assert describe("reasoning_gym", "reasoning_gym", {"step_credit": 0.3}, False).kwargs == {
+        "step_credit": 0.3
+    }
+    with pytest.raises(RewardConfigError, match="step_credit"):
+        describe("reasoning_gym", "reasoning_gym", {"step_credit_": 0.3}, False)
