@@ -204,6 +204,39 @@ def test_a_trainer_rank_that_dies_stops_the_run_naming_it(tmp_path: Path, cluste
     assert list((tmp_path / "checkpoints").glob("step_*")), "no checkpoint to resume from"
 
 
+def test_a_rank_that_died_is_named_over_a_rank_whose_collective_failed_with_it(
+    cluster: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed rank's peers fail at once in their collective ("connection closed"), often before Ray
+    reports the death: the error names the rank that died, the cause."""
+    from miles.placement.ray import sides
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def ready(self) -> None:
+            pass
+
+        def fail_after(self, seconds: float) -> None:
+            time.sleep(seconds)
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+        def die_after(self, seconds: float) -> None:
+            time.sleep(seconds)
+            os._exit(1)
+
+    ranks = [Rank.remote() for _ in range(3)]
+    ray.get([rank.ready.remote() for rank in ranks])
+    with pytest.raises(sides.TrainerRankFailed, match=r"trainer rank 1 died while training"):
+        sides.gather_ranks([ranks[0].fail_after.remote(0.1), ranks[1].die_after.remote(1.0)], "training")
+    monkeypatch.setattr(sides, "DEATH_GRACE_S", 1.0)
+    began = time.monotonic()
+    with pytest.raises(sides.TrainerRankFailed, match=r"trainer rank 0 failed while saving"):
+        sides.gather_ranks([ranks[0].fail_after.remote(0.0), ranks[2].fail_after.remote(30)], "saving")
+    assert time.monotonic() - began < 10  # no death came: the grace ends the wait, not the blocked rank
+    for rank in ranks:
+        ray.kill(rank)
+
+
 def _kill_rank_after_step_1(run_dir: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

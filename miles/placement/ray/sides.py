@@ -25,10 +25,15 @@ class TrainerRankFailed(RuntimeError):
     """A trainer rank died or raised; the message names it and how to resume."""
 
 
+DEATH_GRACE_S = 5.0
+"""How long a rank's error waits for news of another rank's death: a rank whose collective peer is killed
+fails at once (the connection closed), often before Ray reports the death that caused it."""
+
+
 def gather_ranks(refs: list[Any], what: str, rank_ids: list[int] | None = None) -> list[Any]:
     """The results of calls on trainer ranks (`rank_ids[i]` made `refs[i]`; default: rank i); the first
     rank to fail ends the wait (the others may be blocked in a collective with it, which would only end at
-    the group's timeout)."""
+    the group's timeout). A rank that died is named over one that raised within `DEATH_GRACE_S` of it."""
     import ray
 
     pending = list(refs)
@@ -37,16 +42,37 @@ def gather_ranks(refs: list[Any], what: str, rank_ids: list[int] | None = None) 
         try:
             ray.get(done[0])
         except ray.exceptions.RayError as err:
-            position = refs.index(done[0])
+            failed, error = done[0], err
+            if not isinstance(err, ray.exceptions.RayActorError) and pending:
+                failed, error = _first_death(pending, DEATH_GRACE_S) or (failed, error)
+            position = refs.index(failed)
             rank = rank_ids[position] if rank_ids is not None else position
-            died = isinstance(err, ray.exceptions.RayActorError)
+            died = isinstance(error, ray.exceptions.RayActorError)
             # Ray's own text runs to a dozen lines: its first says what happened; the full error is chained.
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            text = str(error).strip()
+            first_line = text.splitlines()[0] if text else type(error).__name__
             raise TrainerRankFailed(
                 f"trainer rank {rank} {'died' if died else 'failed'} while {what} ({first_line}). The run stops; "
                 "resume it from its last checkpoint with trainer.resume_from=auto (or the run folder)"
-            ) from err
+            ) from error
     return ray.get(refs)
+
+
+def _first_death(pending: list[Any], grace_s: float) -> tuple[Any, Exception] | None:
+    """(ref, error) of a call in `pending` whose actor died within `grace_s`, else None."""
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return ref, err
+            except ray.exceptions.RayError:
+                pass
+    return None
 
 
 class RayTrainerSide:
