@@ -1,5 +1,5 @@
-"""The hand-written backward of the logprob and entropy of a chunk of logits, shared by the chunked
-(one-process) and the vocabulary-parallel logprobs."""
+"""The hand-written backward of the logprob and entropy of a chunk of logits, and the LM head's weight
+gradient summed over the chunks, shared by the chunked (one-process) and the vocabulary-parallel logprobs."""
 
 from __future__ import annotations
 
@@ -30,3 +30,17 @@ def logit_gradient(
     if temperature != 1.0:
         grad /= temperature
     return grad
+
+
+def add_weight_gradient(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """`grad_weight += grad_logits.T @ hidden` for one chunk, into the float32 [vocab, hidden] sum.
+
+    On CUDA with bf16 operands one GEMM adds its float32 result into the sum (cuBLAS's beta = 1): no bf16
+    [vocab, hidden] product, float32 copy and add per chunk, which took ~0.44 s of a 4.3 s 30B-A3B update
+    (docs/benchmarks.md), and one rounding fewer."""
+    if grad_logits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+    elif grad_logits.is_cuda and grad_weight.dtype == torch.float32:
+        torch.addmm(grad_weight, grad_logits.t(), hidden, out_dtype=torch.float32, out=grad_weight)
+    else:  # CPU has no mixed-dtype GEMM
+        grad_weight += (grad_logits.t() @ hidden).float()

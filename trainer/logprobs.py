@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles.models import CausalLM, RoutingTrace, VarlenAttention, fused
-from miles.trainer.logit_gradient import logit_gradient
+from miles.trainer.logit_gradient import add_weight_gradient, logit_gradient
 from miles.trainer.packing import MicroBatch
 
 PRECISIONS = ("fp32", "bf16")
@@ -221,7 +221,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad @ w
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                add_weight_gradient(grad_weight, grad, h)
             del grad  # before the next chunk's logits exist
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_w, None, None, None, None, None

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from miles.trainer.logit_gradient import logit_gradient
+from miles.trainer.logit_gradient import add_weight_gradient, logit_gradient
 
 
 def vocab_parallel_logprobs(
@@ -175,7 +175,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad @ w
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                add_weight_gradient(grad_weight, grad, h)
             del q, grad  # before the next chunk's logits exist
         if grad_hidden is not None:
             grad_hidden = _all_reduce(grad_hidden, group).to(hidden.dtype)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from miles.trainer.logit_gradient import add_weight_gradient
 from miles.trainer.logprobs import chunk_rows, chunked_logprobs
 
 
@@ -104,3 +105,35 @@ def test_the_logprob_path_holds_two_float32_chunks_of_the_vocabulary_at_once(
     )
     assert few.peak_bytes == many.peak_bytes
     assert many.float32_chunk_copies == 2.0
+
+
+def test_the_weight_gradient_adds_each_chunk_into_the_float32_sum() -> None:
+    gen = torch.Generator().manual_seed(7)
+    grad, hidden = torch.randn(12, 30, generator=gen), torch.randn(12, 8, generator=gen)
+    total = torch.zeros(30, 8)
+    for s in (0, 5):
+        add_weight_gradient(total, grad[s : s + 5], hidden[s : s + 5])
+    add_weight_gradient(total, grad[10:], hidden[10:])
+    torch.testing.assert_close(total, grad.t() @ hidden)
+    bf16 = torch.zeros(30, 8)  # CPU has no mixed-dtype GEMM: the bf16 product, added in float32
+    add_weight_gradient(bf16, grad.bfloat16(), hidden.bfloat16())
+    assert torch.equal(bf16, (grad.bfloat16().t() @ hidden.bfloat16()).float())
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_chunks_add_into_the_float32_sum_in_one_gemm() -> None:
+    """The float32 sum is written in place, and with one rounding fewer a chunk than a bf16 product added in
+    float32 it is at least as close to the float64 result."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grad = torch.randn(2048, 1000, generator=gen, device="cuda").bfloat16()
+    hidden = torch.randn(2048, 256, generator=gen, device="cuda").bfloat16()
+    total = torch.zeros(1000, 256, device="cuda")
+    address = total.data_ptr()
+    rounded = torch.zeros_like(total)
+    for s in range(0, 2048, 256):
+        add_weight_gradient(total, grad[s : s + 256], hidden[s : s + 256])
+        rounded += (grad[s : s + 256].t() @ hidden[s : s + 256]).float()
+    assert total.data_ptr() == address
+    exact = grad.double().t() @ hidden.double()
+    error, rounded_error = ((t.double() - exact).abs().max().item() for t in (total, rounded))
+    assert error <= rounded_error and error < 1e-3 * exact.abs().max().item()
