@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -144,12 +145,17 @@ class EngineProcess:
         commands, child_commands = context.Pipe()
         sync, child_sync = context.Pipe()
         self.process = context.Process(
-            target=serve,
+            target=_serve_child,
             args=(self.spec, self.name, child_commands, child_sync, self.timeout_s),
             name=f"miles-{self.name}",
             daemon=True,
         )
-        self.process.start()
+        # blocked across the spawn (the child inherits the mask) until the child ignores them
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_commands.close()
         child_sync.close()
         sync_channel = Channel(sync, f"{self.name} (pid {self.process.pid})", self.timeout_s)
@@ -292,6 +298,19 @@ class Heartbeat:
     def stalled_for(self) -> float:
         """Seconds the loop has been stuck with requests waiting (0 when idle or moving)."""
         return time.monotonic() - self.last if self.busy else 0.0
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _serve_child(*args: Any) -> None:
+    """`serve` in a process spawned by `EngineProcess`. Ctrl-C and a scheduler's SIGTERM reach the whole
+    process group; the trainer side stops after its step and then stops the engine, so the engine ignores
+    them (closed pipes still end it if the trainer dies)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    serve(*args)
 
 
 def serve(

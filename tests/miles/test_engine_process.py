@@ -3,7 +3,13 @@ over shared memory after every update, learns as the embedded run does."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +41,37 @@ def test_an_engine_process_run_equals_the_embedded_run(tmp_path: Path) -> None:
     assert all(r["sync/checksum_ok"] == 1.0 for r in steps)
     assert all(r["sync/transport"] == 2.0 for r in steps)  # shm on CPU
     assert all(r["sync/bytes"] > 0 for r in steps)  # weights moved, not shared
+
+
+def test_ctrl_c_to_the_process_group_stops_after_the_step_and_the_engine_process_with_it(
+    tmp_path: Path,
+) -> None:
+    """A terminal's Ctrl-C (or `timeout -s INT`) reaches every process of the group: the engine process and
+    the reward workers leave it to the trainer side, which ends its step, saves, and stops them."""
+    run_dir = tmp_path / "run"
+    args = [*COMMON, "trainer.max_steps=200", "trainer.eval_every=0", "placement.engine_process=true"]
+    args += ["reward.num_workers=2", "logging.wandb=false", "logging.progress=false"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles", "train", *args, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while (
+        not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline
+    ):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "trainer.resume_from" in stderr and "ChannelClosed" not in stderr
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{last:06d}"]
 
 
 @pytest.mark.parametrize(
