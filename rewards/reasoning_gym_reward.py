@@ -67,7 +67,16 @@ def steps_written(response: str, steps: list[Step]) -> int:
     return done
 
 
-def reasoning_gym_reward(sample: Sample, step_credit: float = 0.0, **_: Any) -> dict[str, Any]:
+def check_step_credit(step_credit: float) -> float:
+    if not 0.0 <= step_credit <= 0.5:
+        raise ValueError(
+            f"reward.kwargs.step_credit={step_credit}: use 0 (off) to 0.5, below a right answer's 1 and "
+            "eval/accuracy's 0.5 threshold"
+        )
+    return step_credit
+
+
+def reasoning_gym_reward(sample: Sample, step_credit: float = 0.0) -> dict[str, Any]:
     """The verifier's score; with `step_credit` > 0, a wrong answer to a chain of + and - (`chain_sum`, or
     `basic_arithmetic` without brackets) still earns `step_credit` times the share of the chain's steps it
     wrote out right from the first, so a group none of whose answers is right can still hold a reward spread
@@ -75,6 +84,7 @@ def reasoning_gym_reward(sample: Sample, step_credit: float = 0.0, **_: Any) -> 
     below that)."""
     import reasoning_gym
 
+    check_step_credit(step_credit)
     source = sample.metadata.get("data_source", "")
     if not source.startswith("reasoning_gym:"):
         raise ValueError(f"sample data_source {source!r} is not a reasoning_gym task")
@@ -106,12 +116,7 @@ class ReasoningGymReward:
     def __init__(self, step_credit: float = 0.0) -> None:
         import reasoning_gym  # noqa: F401
 
-        if not 0.0 <= step_credit <= 0.5:
-            raise ValueError(
-                f"reward.kwargs.step_credit={step_credit}: use 0 (off) to 0.5, below a right answer's 1 and "
-                "eval/accuracy's 0.5 threshold"
-            )
-        self.step_credit = step_credit
+        self.step_credit = check_step_credit(step_credit)
 
     def __call__(self, sample: Sample) -> dict[str, Any]:
         return reasoning_gym_reward(sample, self.step_credit)

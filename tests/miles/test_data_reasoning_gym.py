@@ -132,3 +132,11 @@ def test_an_unknown_reasoning_gym_reward_kwarg_is_refused() -> None:
     }
     with pytest.raises(RewardConfigError, match="step_credit"):
         describe("reasoning_gym", "reasoning_gym", {"step_credit_": 0.3}, False)
+    bare = "miles.rewards.reasoning_gym_reward:reasoning_gym_reward"  # the function named as a spec
+    assert describe(bare, "rg", {"step_credit": 0.3}, False).kwargs == {"step_credit": 0.3}
+    with pytest.raises(RewardConfigError, match="step_credit"):
+        describe(bare, "rg", {"step_credit_": 0.3}, False)
+    from miles.rewards.reasoning_gym_reward import reasoning_gym_reward
+
+    with pytest.raises(ValueError, match="step_credit"):
+        reasoning_gym_reward(Sample(prompt="", label="1", response_text="1"), step_credit=0.8)
