@@ -95,6 +95,8 @@ class Generate:
     params: SamplingParams
     multiturn: bool = False
     """Through the engine's `rollout.generate_fn` plugin (run here, beside the engine, to the end)."""
+    stream: bool = False
+    """Send the samples as they finish (`Finished`), then a `Reply` without them."""
 
 
 @dataclass
@@ -124,6 +126,15 @@ class Reply:
     error: str | None = None
 
 
+@dataclass
+class Finished:
+    """A streamed generate call's samples that finished since its last `Finished`, by position in its reply."""
+
+    request: int
+    positions: list[int]
+    samples: list[Sample]
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed a request, died, or stopped answering; the message names it."""
 
@@ -139,6 +150,7 @@ class EngineProcess:
         self._commands: Connection | None = None
         self._next_request = 0
         self._replies: dict[int, Reply] = {}
+        self._finished: dict[int, list[tuple[int, Sample]]] = {}
 
     def start(self) -> EngineProcess:
         context = mp.get_context("spawn")
@@ -200,19 +212,34 @@ class EngineProcess:
                 raise EngineProcessError(
                     f"{self.name} did not answer request {request} within {timeout_s:g} s"
                 )
-            reply = self._receive(f"answering request {request}", left)
-            if isinstance(reply, Reply):
-                self._replies[reply.request] = reply
+            self._file(self._receive(f"answering request {request}", left))
         reply = self._replies.pop(request)
         if reply.error is not None:
             raise EngineProcessError(f"{self.name}: {reply.error}")
         return reply.value
 
     def generate(
-        self, prompts: Sequence[Sample] | Sequence[list[int]] | Sequence[str], params: SamplingParams
+        self,
+        prompts: Sequence[Sample] | Sequence[list[int]] | Sequence[str],
+        params: SamplingParams,
+        on_finish: Callable[[Sample], None] | None = None,
     ) -> list[Sample]:
-        """`Engine.generate` in the engine process: `len(prompts) * params.n` samples, prompt-major."""
-        return self.result(self.submit(prompts, params))
+        """`Engine.generate` in the engine process: `len(prompts) * params.n` samples, prompt-major. With
+        `on_finish`, each sample comes back as it finishes and is handed to it then, as a local engine
+        does (rewards start grading while the rest still generate)."""
+        if on_finish is None:
+            return self.result(self.submit(prompts, params))
+        request = self._send(lambda r: Generate(r, list(prompts), params, stream=True))  # type: ignore[arg-type]
+        done: dict[int, Sample] = {}
+        while True:
+            for position, sample in self._finished.pop(request, []):
+                done[position] = sample
+                on_finish(sample)
+            if request in self._replies:
+                break
+            self._file(self._receive(f"answering request {request}", None))
+        self.result(request)  # raises the engine's error, if any
+        return [done[position] for position in range(len(done))]
 
     def call(self, method: str, *args: Any) -> Any:
         """One of `HOST_CALLS` in the engine process, waiting for its value."""
@@ -260,6 +287,12 @@ class EngineProcess:
         self._next_request += 1
         self._commands.send(make(request))
         return request
+
+    def _file(self, message: object) -> None:
+        if isinstance(message, Reply):
+            self._replies[message.request] = message
+        elif isinstance(message, Finished):
+            self._finished.setdefault(message.request, []).extend(zip(message.positions, message.samples))
 
     def _receive(self, waiting_for: str, timeout_s: float | None) -> object:
         """The next message on the command pipe, checking every second that the process is alive."""
@@ -392,6 +425,8 @@ class _Host:
         self.pending: dict[int, list[int]] = {}
         """Generate call -> its engine request ids, prompt-major."""
         self.done: dict[int, dict[int, Sample]] = {}
+        self.streamed: set[int] = set()
+        """Generate calls whose samples go back as they finish."""
         self.stalled = False
         """The engine cannot step (a failed sync left its weights half-updated) until the next message."""
 
@@ -402,6 +437,8 @@ class _Host:
             try:
                 self.pending[message.request] = self._enqueue(message.prompts, message.params)
                 self.done[message.request] = {}
+                if message.stream:
+                    self.streamed.add(message.request)
             except Exception as err:
                 self.commands.send(Reply(message.request, error=f"{type(err).__name__}: {err}"))
         elif isinstance(message, Call):
@@ -465,19 +502,25 @@ class _Host:
                 for rid in self.pending.pop(request):
                     self.engine.abort(rid)
                 self.done.pop(request, None)
+                self.streamed.discard(request)
             self.stalled = True
 
     def reply_finished(self) -> None:
         for request, rids in list(self.pending.items()):
-            done = self.done[request]
-            for rid in rids:
+            done, fresh = self.done[request], []
+            for position, rid in enumerate(rids):
                 if rid not in done:
                     sample = self.engine.take_result(rid)
                     if sample is not None:
                         done[rid] = sample
+                        fresh.append(position)
+            streamed = request in self.streamed
+            if streamed and fresh:
+                self.commands.send(Finished(request, fresh, [done[rids[p]] for p in fresh]))
             if len(done) == len(rids):
-                self.commands.send(Reply(request, [done[rid] for rid in rids]))
+                self.commands.send(Reply(request, None if streamed else [done[rid] for rid in rids]))
                 del self.pending[request], self.done[request]
+                self.streamed.discard(request)
 
 
 def _multiturn(engine: Engine, rollout: RolloutConfig, heartbeat: Heartbeat | None) -> Any:

@@ -40,11 +40,7 @@ class RemoteEngine:
         params: SamplingParams,
         on_finish: Callable[[Sample], None] | None = None,
     ) -> list[Sample]:
-        samples = self.process.generate(prompts, params)
-        if on_finish is not None:  # the samples come back together: each is finished by now
-            for sample in samples:
-                on_finish(sample)
-        return samples
+        return self.process.generate(prompts, params, on_finish)
 
     def metrics(self) -> dict[str, float]:
         return self.process.metrics(True)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from miles.placement.engine_process import EngineProcess, EngineProcessError
+from miles.placement.engine_process import EngineProcess, EngineProcessError, Finished
 from miles.rollout import SamplingParams
 from miles.sample import Sample
 from miles.weight_sync import TransportWeightSync, make_sender
@@ -92,3 +92,81 @@ def test_errors_come_back_named(engine_process: Callable[..., EngineProcess]) ->
     with pytest.raises(EngineProcessError, match="unknown engine call"):
         engine.call("shutdown_everything")
     assert engine.generate(PROMPTS[:1], GREEDY)[0].response_ids  # still serving
+
+
+def test_a_streamed_generate_hands_over_each_sample_as_it_finishes(
+    engine_process: Callable[..., EngineProcess],
+) -> None:
+    engine = engine_process(False)
+    # every 8th token ends a sample, so the 9 samples finish over several steps
+    staggered = SamplingParams(
+        n=3, temperature=1.0, max_new_tokens=24, seed=7, stop_token_ids=list(range(0, 64, 8))
+    )
+    batches: list[int] = []
+    file = engine._file
+
+    def counting(message: object) -> None:
+        if isinstance(message, Finished):
+            batches.append(len(message.samples))
+        file(message)
+
+    engine._file = counting  # type: ignore[method-assign]
+    try:
+        seen: list[Sample] = []
+        streamed = engine.generate(PROMPTS, staggered, on_finish=seen.append)
+    finally:
+        del engine._file
+    whole = engine.generate(PROMPTS, staggered)
+    # the same samples in the same order (logprobs up to the prefix cache's prefill rounding)
+    assert [(s.group_id, s.index, s.response_ids, s.status) for s in streamed] == [
+        (s.group_id, s.index, s.response_ids, s.status) for s in whole
+    ]
+    for one, other in zip(streamed, whole):
+        assert one.rollout_logprobs == pytest.approx(other.rollout_logprobs, abs=1e-5)
+    assert sorted(drawn(seen)) == sorted(drawn(streamed))
+    assert len({len(s.response_ids) for s in streamed}) > 1 and len(batches) > 1 and sum(batches) == 9
+
+
+class _StaggeredEngine:
+    """Request `rid` finishes at step `rid + 1`: the engine process's host loop without a model."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.steps, self.added, self.taken = 0, 0, set()
+
+    def add_request(self, ids: list[int], params: SamplingParams, **_: object) -> int:
+        self.added += 1
+        return self.added - 1
+
+    def take_result(self, rid: int) -> Sample | None:
+        if rid >= self.steps or rid in self.taken:
+            return None
+        self.taken.add(rid)
+        return Sample(prompt="", index=rid, response_ids=[rid])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_host_streams_finished_samples_before_the_reply(stream: bool) -> None:
+    from multiprocessing import Pipe
+
+    from miles.placement.engine_process import Generate, Reply, _Host
+
+    ours, theirs = Pipe()
+    engine = _StaggeredEngine()
+    host = _Host(engine, theirs)  # type: ignore[arg-type]
+    host.handle(Generate(7, [[1, 2], [3]], SamplingParams(max_new_tokens=4), stream=stream))
+    messages = []
+    for _ in range(3):
+        engine.steps += 1
+        host.reply_finished()
+        while ours.poll():
+            messages.append(ours.recv())
+    if stream:
+        assert [type(m) for m in messages] == [Finished, Finished, Reply]
+        assert [(m.positions, [s.index for s in m.samples]) for m in messages[:2]] == [([0], [0]), ([1], [1])]
+        assert messages[2].value is None and messages[2].request == 7
+    else:
+        assert [type(m) for m in messages] == [Reply]
+        assert [s.index for s in messages[0].value] == [0, 1]
+    assert not host.pending and not host.streamed
